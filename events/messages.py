@@ -1,0 +1,183 @@
+"""The engine's message vocabulary: every exchange between actors is one of these frozen attrs classes.
+
+The loop routes by type, so each type has exactly one handling actor:
+- scheduler: ``AddRequest``, ``AbortRequest``, ``StepResult``;
+- cache manager: ``AllocateStepBlocks`` (request/reply), ``FreeRequestBlocks``, ``GetCacheStats`` (request/reply);
+- worker: ``ExecuteStep``;
+- I/O actor (or ModelPerfBackend, or the simulator's workload replayer): ``TokensOut``.
+A step costs a constant number of messages whatever the batch size: one block exchange, one ``ExecuteStep``, one
+``StepResult`` and one ``TokensOut``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from ksana.request import InferRequest
+    from ksana.sampling_params import SamplingParams
+
+
+# ---- I/O actor -> scheduler -------------------------------------------------------------------------------------
+@attrs.frozen
+class AddRequest:
+    """A new request; from here on the scheduler owns the ``InferRequest``."""
+
+    request: InferRequest
+
+
+@attrs.frozen
+class AbortRequest:
+    """Stop a request (client gone, or a stop string matched on the text side); its blocks are freed."""
+
+    request_id: str
+    reason: str = "abort"  # "abort" or "stop"
+
+
+# ---- scheduler -> I/O actor -------------------------------------------------------------------------------------
+@attrs.frozen
+class RequestDelta:
+    """What one request produced in one step; ``finish_reason`` set means the request is over."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[float, ...] = ()
+    new_top_logprobs: tuple[Any, ...] = ()  # per token: list[(token_id, logprob)] or None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@attrs.frozen
+class TokensOut:
+    """All requests' deltas of one step (or one rejection), in one message."""
+
+    deltas: tuple[RequestDelta, ...]
+    time: float = 0.0
+
+
+# ---- scheduler <-> cache manager --------------------------------------------------------------------------------
+@attrs.frozen
+class BlockDemand:
+    """Request ``request_id`` needs room for ``num_tokens`` tokens in total after this step."""
+
+    request_id: str
+    num_tokens: int
+
+
+@attrs.frozen
+class AllocateStepBlocks:
+    """One exchange per step: free the ``release`` requests' blocks, then grow each demand in order.
+
+    Demands are served in order and the first one that does not fit is refused together with all after it, so
+    the scheduler's priority order holds.
+    """
+
+    demands: tuple[BlockDemand, ...]
+    release: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class StepBlocks:
+    """The reply: the full block table of every granted demand, the refused ids, and what is left free."""
+
+    block_tables: dict[str, tuple[int, ...]]
+    refused: tuple[str, ...]
+    num_free_blocks: int
+
+
+@attrs.frozen
+class FreeRequestBlocks:
+    """Finished or aborted requests whose blocks go back to the pool."""
+
+    request_ids: tuple[str, ...]
+
+
+@attrs.frozen
+class GetCacheStats:
+    """Ask the cache manager for its block counts."""
+
+
+@attrs.frozen
+class CacheStats:
+    num_total_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_requests_with_blocks: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+
+# ---- scheduler <-> worker ---------------------------------------------------------------------------------------
+@attrs.frozen
+class ScheduledRow:
+    """One request's share of a step: compute ``token_ids`` at positions ``start_position...`` into its blocks.
+
+    ``num_new_tokens`` may exceed 1 for a prefill chunk (and, with speculative decoding, for a verify step).
+    When ``do_sample`` is set, the row's last position is sampled with the request's parameters; the penalty
+    inputs (``prompt_token_ids``/``output_token_ids``) are only filled when a penalty needs them.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]
+    do_sample: bool
+    sampling_params: SamplingParams | None = None
+    seed: int = 0
+    num_output_tokens: int = 0
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    banned_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@attrs.frozen
+class StepPlan:
+    step_id: int
+    rows: tuple[ScheduledRow, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.num_new_tokens for row in self.rows)
+
+
+@attrs.frozen
+class ExecuteStep:
+    plan: StepPlan
+
+
+@attrs.frozen
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: Any = None  # list[(token_id, logprob)] when asked
+
+
+@attrs.frozen
+class StepTimings:
+    """Seconds spent in the worker, split so the perf mode and the trace can attribute them."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@attrs.frozen
+class StepResult:
+    step_id: int
+    sampled: dict[str, SampledToken]
+    timings: StepTimings = StepTimings()

@@ -1,0 +1,203 @@
+"""Paged attention, torch reference path.
+
+The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``; a
+sequence's keys live in the blocks its block table names, token ``p`` at slot ``block_table[p // B] * B + p % B``.
+Masks follow Hugging Face: a query at position ``p`` sees keys at ``k <= p``, and with a sliding window ``W``
+only ``p - W < k <= p`` (``transformers.masking_utils.sliding_window_overlay``).
+
+Decode rows (one new token each) are computed together with one gather and one SDPA call; prefill rows loop
+per sequence. Grouped-query attention never copies K/V per query head: decode folds the query heads of a
+KV group into SDPA's query-length dimension, prefill uses SDPA's ``enable_gqa``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ksana.worker.attention_metadata import AttentionMetadata
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into the cache slots ``slot_mapping`` ``[T]``."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    slots = slot_mapping.long()
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``cache[block_ids]`` flattened per block; an embedding lookup is several times faster than advanced
+    indexing on CPU (one contiguous row copy per block)."""
+    return F.embedding(block_ids, cache.view(cache.shape[0], -1))
+
+
+def _window_blocks(sliding_window: int, block_size: int) -> int:
+    """Most blocks that ``sliding_window`` consecutive positions can touch."""
+    return (sliding_window + block_size - 2) // block_size + 1
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context.
+
+    ``query`` ``[B, num_heads, head_dim]``; ``block_tables`` ``[B, max_blocks]``; ``seq_lens`` ``[B]`` counts the
+    new token (already stored in the cache). ``max_seq_len`` (a Python int) avoids a device sync. With a
+    sliding window only the blocks inside the window are gathered, so blocks that left it are never read.
+    Returns ``[B, num_heads, head_dim]``.
+    """
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    num_blocks = min(max_blocks, -(-max_seq_len // block_size))
+    device = query.device
+    seq_lens = seq_lens.to(device=device, dtype=torch.long)
+
+    if sliding_window is not None and _window_blocks(sliding_window, block_size) < num_blocks:
+        num_blocks = _window_blocks(sliding_window, block_size)
+        first_block = (seq_lens - sliding_window).clamp(min=0) // block_size  # [B]
+        cols = first_block[:, None] + torch.arange(num_blocks, device=device)
+        # Columns past the table's end only hold positions >= seq_len, which the mask hides.
+        table = block_tables.gather(1, cols.clamp(max=max_blocks - 1))
+        key_pos = (first_block * block_size)[:, None] + torch.arange(num_blocks * block_size, device=device)
+    else:
+        table = block_tables[:, :num_blocks]
+        key_pos = torch.arange(num_blocks * block_size, device=device).expand(batch, -1)
+
+    kv_len = num_blocks * block_size
+    keys = _gather_blocks(k_cache, table).view(batch, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather_blocks(v_cache, table).view(batch, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    mask = key_pos < seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= key_pos >= (seq_lens - sliding_window)[:, None]
+    out = F.scaled_dot_product_attention(
+        query.view(batch, num_kv_heads, group, head_dim),
+        keys,
+        values,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its cached prefix and themselves.
+
+    ``query`` ``[q_len, num_heads, head_dim]``; ``key``/``value`` ``[q_len, num_kv_heads, head_dim]`` are the
+    new tokens' K/V (also already in the cache); ``block_table`` ``[max_blocks]``; ``seq_len`` includes the new
+    tokens, which sit at positions ``seq_len - q_len .. seq_len - 1``. When every visible key is new, the
+    cache is not read at all. Returns ``[q_len, num_heads, head_dim]``.
+    """
+    q_len = query.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    context_len = seq_len - q_len
+    first_key = 0 if sliding_window is None else max(0, context_len - sliding_window + 1)
+    if first_key >= context_len:
+        keys = key[first_key - context_len :]
+        values = value[first_key - context_len :]
+    else:
+        first_block = first_key // block_size
+        end_block = -(-seq_len // block_size)
+        ids = block_table[first_block:end_block]
+        lo, hi = first_key - first_block * block_size, seq_len - first_block * block_size
+        keys = _gather_blocks(k_cache, ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+        values = _gather_blocks(v_cache, ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+
+    q = query.transpose(0, 1)[None]
+    k = keys.transpose(0, 1)[None]
+    v = values.transpose(0, 1)[None]
+    kv_len = keys.shape[0]
+    if first_key == context_len == 0 and (sliding_window is None or sliding_window >= q_len):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        device = query.device
+        q_pos = torch.arange(context_len, seq_len, device=device)[:, None]
+        k_pos = torch.arange(first_key, first_key + kv_len, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One layer's attention for a packed batch: store the new K/V, then attend through the block tables.
+
+    ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads, head_dim]`` in the cache dtype.
+    Returns ``[T, num_heads, head_dim]``.
+    """
+    store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    query_lens = meta.query_lens_list or meta.query_start_loc.diff().tolist()
+    seq_lens = meta.seq_lens_list or meta.seq_lens.tolist()
+    num_decodes = meta.num_decodes
+    outs = []
+    if num_decodes:
+        outs.append(
+            paged_decode_attention(
+                query[:num_decodes],
+                k_cache,
+                v_cache,
+                meta.block_tables[:num_decodes],
+                meta.seq_lens[:num_decodes],
+                scale,
+                sliding_window,
+                max(seq_lens[:num_decodes]),
+            )
+        )
+    start = num_decodes
+    for i in range(num_decodes, len(seq_lens)):
+        end = start + query_lens[i]
+        outs.append(
+            paged_prefill_attention(
+                query[start:end],
+                key[start:end],
+                value[start:end],
+                k_cache,
+                v_cache,
+                meta.block_tables[i],
+                seq_lens[i],
+                scale,
+                sliding_window,
+            )
+        )
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,218 @@
+"""Engine configuration: KsanaLLM's YAML keys (``setting.*`` / ``model_spec.*``) with leaf-name overrides.
+
+One YAML file describes a deployment; ``LLM(...)`` keyword arguments and CLI flags override single keys by their
+leaf names (``max_batch_size=8`` sets ``setting.batch_scheduler.max_batch_size``). Unknown or ill-typed keys are
+errors that name the key, because a silently ignored typo is the worst kind of misconfiguration.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, ill-typed or out of range; the message names the key."""
+
+
+@attrs.define(kw_only=True)
+class GlobalSetting:
+    tensor_para_size: int = 1
+    device: str = "auto"  # auto | cpu | cuda | npu
+    num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+
+@attrs.define(kw_only=True)
+class BatchSchedulerSetting:
+    max_batch_size: int = 64
+    max_step_tokens: int = 4096
+    max_token_len: int = 0  # 0: the model's maximum; always clipped to it
+    split_fuse_token_num: int = 0  # 0: no chunked prefill
+    enable_auto_prefix_cache: bool = False
+    preempt_mode: int = 1  # 1 = RECOMPUTE (the only mode on this engine; 0 = SWAP is rejected)
+    waiting_timeout_in_ms: int = 600_000
+    max_waiting_queue_len: int = 1200
+    mtp_step_num: int = 0
+
+
+@attrs.define(kw_only=True)
+class BlockManagerSetting:
+    block_token_num: int = 16
+    reserved_device_memory_ratio: float = 0.01
+    # Fraction of the memory left after loading the weights that the KV pool takes.
+    block_device_memory_ratio: float = 0.2
+    num_device_blocks: int = 0  # > 0: exactly this many KV blocks, overriding the ratio
+
+
+@attrs.define(kw_only=True)
+class TokenizationSetting:
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+
+
+@attrs.define(kw_only=True)
+class Setting:
+    global_: GlobalSetting = attrs.field(factory=GlobalSetting, alias="global_")
+    batch_scheduler: BatchSchedulerSetting = attrs.field(factory=BatchSchedulerSetting)
+    block_manager: BlockManagerSetting = attrs.field(factory=BlockManagerSetting)
+    tokenization: TokenizationSetting = attrs.field(factory=TokenizationSetting)
+
+
+@attrs.define(kw_only=True)
+class BaseModelSpec:
+    model_dir: str = "smollm2"  # a Hugging Face directory, or a built-in name: smollm2 | demo
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+
+
+@attrs.define(kw_only=True)
+class ModelSpec:
+    base_model: BaseModelSpec = attrs.field(factory=BaseModelSpec)
+
+
+@attrs.define(kw_only=True)
+class KsanaConfig:
+    setting: Setting = attrs.field(factory=Setting)
+    model_spec: ModelSpec = attrs.field(factory=ModelSpec)
+
+    @property
+    def scheduler(self) -> BatchSchedulerSetting:
+        return self.setting.batch_scheduler
+
+    @property
+    def block_manager(self) -> BlockManagerSetting:
+        return self.setting.block_manager
+
+
+# YAML spells the section "global"; Python cannot, so the attribute is "global_".
+_YAML_TO_ATTR = {"global": "global_"}
+_ATTR_TO_YAML = {v: k for k, v in _YAML_TO_ATTR.items()}
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and attrs.has(tp)
+
+
+def _leaf_paths(cls: type, prefix: str = "") -> dict[str, str]:
+    """Map every leaf name to its dotted YAML path (leaf names are unique across the schema)."""
+    paths: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    for field in attrs.fields(cls):
+        key = _ATTR_TO_YAML.get(field.name, field.name)
+        path = f"{prefix}{key}"
+        if _is_section(hints[field.name]):
+            paths.update(_leaf_paths(hints[field.name], path + "."))
+        else:
+            assert key not in paths, f"leaf name {key} is ambiguous"
+            paths[key] = path
+    return paths
+
+
+LEAF_PATHS: dict[str, str] = _leaf_paths(KsanaConfig)
+ALIASES = {"model": "model_dir"}
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, Path)):
+            return str(value)
+    elif isinstance(tp, types.UnionType):
+        raise AssertionError("union config fields are not supported")
+    name = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"config key '{path}' must be {name}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {_ATTR_TO_YAML.get(f.name, f.name): f.name for f in attrs.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}'")
+        attr = names[key]
+        tp = hints[attr]
+        kwargs[attr] = _build(tp, value, path + ".") if _is_section(tp) else _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def _set_path(config: KsanaConfig, path: str, value: Any) -> None:
+    *sections, leaf = path.split(".")
+    target: Any = config
+    for section in sections:
+        target = getattr(target, _YAML_TO_ATTR.get(section, section))
+    tp = typing.get_type_hints(type(target))[leaf]
+    setattr(target, leaf, _coerce(value, tp, path))
+
+
+def _validate(config: KsanaConfig) -> KsanaConfig:
+    s, b, m = config.setting.batch_scheduler, config.setting.block_manager, config.model_spec.base_model
+    g = config.setting.global_
+    checks = [
+        (b.block_token_num >= 1, "setting.block_manager.block_token_num", "must be at least 1"),
+        (0 < b.block_device_memory_ratio <= 1, "setting.block_manager.block_device_memory_ratio", "must be in (0, 1]"),
+        (0 <= b.reserved_device_memory_ratio < 1, "setting.block_manager.reserved_device_memory_ratio", "must be in [0, 1)"),
+        (b.num_device_blocks >= 0, "setting.block_manager.num_device_blocks", "must be non-negative"),
+        (s.max_batch_size >= 1, "setting.batch_scheduler.max_batch_size", "must be at least 1"),
+        (s.max_step_tokens >= 1, "setting.batch_scheduler.max_step_tokens", "must be at least 1"),
+        (s.max_token_len >= 0, "setting.batch_scheduler.max_token_len", "must be non-negative"),
+        (s.split_fuse_token_num >= 0, "setting.batch_scheduler.split_fuse_token_num", "must be non-negative"),
+        (s.preempt_mode == 1, "setting.batch_scheduler.preempt_mode",
+         "must be 1 (RECOMPUTE); SWAP (0) is not supported by this engine"),
+        (s.waiting_timeout_in_ms >= 1, "setting.batch_scheduler.waiting_timeout_in_ms", "must be positive"),
+        (s.max_waiting_queue_len >= 1, "setting.batch_scheduler.max_waiting_queue_len", "must be at least 1"),
+        (s.mtp_step_num >= 0, "setting.batch_scheduler.mtp_step_num", "must be non-negative"),
+        (g.tensor_para_size >= 1, "setting.global.tensor_para_size", "must be at least 1"),
+        (g.num_threads >= 0, "setting.global.num_threads", "must be non-negative"),
+        (g.device in _DEVICES, "setting.global.device", f"must be one of {', '.join(_DEVICES)}"),
+        (m.dtype in _DTYPES, "model_spec.base_model.dtype", f"must be one of {', '.join(_DTYPES)}"),
+    ]
+    for ok, path, message in checks:
+        if not ok:
+            raise ConfigError(f"config key '{path}' {message}")
+    return config
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> KsanaConfig:
+    """Read the YAML (if any), then apply leaf-name overrides; ``None`` overrides are ignored (unset CLI flags)."""
+    data: Any = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    config = _build(KsanaConfig, data, "")
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        leaf = ALIASES.get(name, name)
+        if leaf in LEAF_PATHS:
+            _set_path(config, LEAF_PATHS[leaf], value)
+        elif "." in name:
+            if name not in LEAF_PATHS.values():
+                raise ConfigError(f"unknown config key '{name}'")
+            _set_path(config, name, value)
+        else:
+            raise ConfigError(f"unknown config key '{name}' (known keys: {', '.join(sorted(LEAF_PATHS))})")
+    return _validate(config)

@@ -1,0 +1,119 @@
+"""InferenceEngine: loads the model once and assembles the actors around an event loop.
+
+The assembly is where the three products differ by one actor: serving plugs in the HTTP I/O actor, perf mode the
+ModelPerfBackend, the simulator a workload replayer and a simulated worker. Scheduler and cache manager are always
+the same classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from events import Actor, EventLoop
+from events.clock import Clock
+from ksana.builtin import resolve_model_dir
+from ksana.cache.cache_manager_actor import CacheManagerActor
+from ksana.cache.direct_cache_manager import DirectCacheManager, num_blocks_for
+from ksana.config import ConfigError, KsanaConfig
+from ksana.models.registry import load_model
+from ksana.scheduler.batch_scheduler import BatchScheduler
+from ksana.scheduler.scheduler_actor import SchedulerActor
+from ksana.tokenizer import load_tokenizer
+from ksana.worker.kv_cache import KVCache
+from ksana.worker.memory_budget import plan_num_blocks
+from ksana.worker.model_runner import ModelRunner
+from ksana.worker.worker_actor import WorkerActor
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config key 'setting.global.device' is cuda, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (the fast path without bf16 hardware) and bfloat16 on accelerators."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+def _reject_unsupported(config: KsanaConfig) -> None:
+    """Keys of features that later issues implement: refuse loudly rather than silently ignore them."""
+    s, g = config.setting.batch_scheduler, config.setting.global_
+    unsupported = [
+        (s.enable_auto_prefix_cache, "setting.batch_scheduler.enable_auto_prefix_cache", "prefix caching"),
+        (g.tensor_para_size != 1, "setting.global.tensor_para_size", "tensor parallelism"),
+        (s.mtp_step_num != 0, "setting.batch_scheduler.mtp_step_num", "MTP speculative decoding"),
+    ]
+    for enabled, key, feature in unsupported:
+        if enabled:
+            raise ConfigError(f"config key '{key}': {feature} is not implemented yet in this build")
+
+
+class InferenceEngine:
+    """The model, its KV pool and the persistent scheduler/cache state; ``build_loop`` wires a run."""
+
+    def __init__(self, config: KsanaConfig) -> None:
+        _reject_unsupported(config)
+        self.config = config
+        base = config.model_spec.base_model
+        self.model_dir: Path = resolve_model_dir(base.model_dir)
+        self.device = resolve_device(config.setting.global_.device)
+        self.dtype = resolve_dtype(base.dtype, self.device)
+        if config.setting.global_.num_threads > 0:
+            torch.set_num_threads(config.setting.global_.num_threads)
+
+        started = time.perf_counter()
+        logger.info("loading model %s (%s on %s)", self.model_dir, str(self.dtype).removeprefix("torch."), self.device)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
+        self.shape = self.model.shape
+        logger.info("model loaded in %.1f s", time.perf_counter() - started)
+
+        sched = config.setting.batch_scheduler
+        model_max = self.shape.max_position_embeddings
+        self.max_token_len = min(sched.max_token_len or model_max, model_max)
+        block_size = config.setting.block_manager.block_token_num
+        bytes_per_block = KVCache.bytes_per_block(self.shape, block_size, self.dtype)
+        max_useful = sched.max_batch_size * num_blocks_for(self.max_token_len, block_size)
+        num_blocks = plan_num_blocks(config.setting.block_manager, bytes_per_block, self.device, max_useful)
+        self.kv_cache = KVCache.allocate(self.shape, num_blocks, block_size, self.dtype, self.device)
+        logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks, block_size,
+                    num_blocks * block_size, num_blocks * bytes_per_block / 2**20)
+
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.cache_manager = DirectCacheManager(num_blocks, block_size)
+        self.scheduler = BatchScheduler(sched, block_size, num_blocks, self.max_token_len)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.shape)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def build_loop(self, io_actor: Actor, clock: Clock | None = None, worker: Actor | None = None) -> EventLoop:
+        """A fresh loop with the engine's scheduler, cache manager and worker, and the given I/O actor."""
+        loop = EventLoop(clock=clock)
+        loop.register(SchedulerActor(self.scheduler))
+        loop.register(CacheManagerActor(self.cache_manager))
+        loop.register(worker if worker is not None else WorkerActor(self.runner))
+        loop.register(io_actor)
+        return loop
+
+
+def _eos_token_ids(tokenizer, shape) -> tuple[int, ...]:
+    """EOS ids as ``generate`` would use them: config.json and generation_config.json, else the tokenizer's."""
+    ids = list(shape.eos_token_ids)
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return tuple(ids)

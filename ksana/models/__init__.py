@@ -1,0 +1,7 @@
+"""Model families (Llama, Qwen2, Mistral) over a paged KV cache, and their loader."""
+
+from ksana.models.base import CausalLM
+from ksana.models.registry import load_model
+from ksana.models.shape import ModelShape
+
+__all__ = ["CausalLM", "ModelShape", "load_model"]

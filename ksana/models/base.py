@@ -1,0 +1,59 @@
+"""The interface every model family implements, and how it exposes its parameters to the loader."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ksana.models.shape import ModelShape
+from ksana.worker.attention_metadata import AttentionMetadata
+
+
+@attrs.frozen
+class WeightSlot:
+    """Where one checkpoint tensor goes: rows ``start : start + num_rows`` of ``param`` (all of it if None).
+
+    Fused parameters (qkv, gate/up) have one slot per checkpoint tensor, each a row range.
+    """
+
+    param: torch.Tensor
+    start: int = 0
+    num_rows: int | None = None
+
+    def target(self) -> torch.Tensor:
+        return self.param if self.num_rows is None else self.param.narrow(0, self.start, self.num_rows)
+
+
+class CausalLM(torch.nn.Module):
+    """A causal language model over a paged KV cache.
+
+    ``forward`` takes the packed tokens of a batch (see ``AttentionMetadata``) and returns their final hidden
+    states ``[T, hidden]``; the runner picks the rows it samples from and calls ``compute_logits`` on them.
+    """
+
+    shape: ModelShape
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
+        raise NotImplementedError
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        """Checkpoint tensor name -> destination, for every tensor the model needs."""
+        raise NotImplementedError
+
+    def ignored_weight_names(self) -> frozenset[str]:
+        """Checkpoint tensors that are expected but unused (e.g. a tied ``lm_head.weight``)."""
+        return frozenset()
+
+    def tie_lm_head(self) -> None:
+        """Share the input embedding as output projection (checkpoint without ``lm_head.weight``)."""
+        raise NotImplementedError

@@ -1,0 +1,254 @@
+"""The Llama-style decoder shared by Llama, Qwen2 and Mistral.
+
+Families differ only in biases and per-layer sliding windows, which subclasses state through
+``DecoderForCausalLM._biases`` and the config (``ModelShape.sliding_windows``). Parameters are created empty on
+the target device in the target dtype and filled by the loader; q/k/v and gate/up are fused into one matmul
+each. Every op goes through the ``KernelOps`` picked for the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.dispatch import KernelOps, get_ops
+from ksana.models.base import CausalLM, WeightSlot
+from ksana.models.shape import ModelShape
+from ksana.worker.attention_metadata import AttentionMetadata
+
+
+@attrs.frozen
+class Biases:
+    qkv: bool = False
+    o: bool = False
+    mlp: bool = False
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rope_from_hf_config(config: Any, device: torch.device) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` as ``transformers`` computes them.
+
+    transformers 5 keeps ``rope_theta`` and the scaling in ``config.rope_parameters``; 4.x has ``rope_theta`` and
+    ``rope_scaling``. Scaled variants reuse transformers' own init functions so the numbers match exactly.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq.to(device), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise NotImplementedError(f"rope_type {rope_type!r} (sequence-length dependent) is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(f"unknown rope_type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    return inv_freq.to(device=device, dtype=torch.float32), float(scaling)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self, shape: ModelShape, layer_idx: int, biases: Biases, ops: KernelOps, device: torch.device
+    ):
+        super().__init__()
+        self.ops = ops
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.scale = shape.head_dim**-0.5
+        self.sliding_window = shape.sliding_windows[layer_idx]
+        dtype = shape.dtype
+        self.qkv_weight = _empty((self.q_size + 2 * self.kv_size, shape.hidden_size), dtype, device)
+        self.qkv_bias = _empty((self.q_size + 2 * self.kv_size,), dtype, device) if biases.qkv else None
+        self.o_weight = _empty((shape.hidden_size, self.q_size), dtype, device)
+        self.o_bias = _empty((shape.hidden_size,), dtype, device) if biases.o else None
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        rows = {"q_proj": (0, self.q_size), "k_proj": (self.q_size, self.kv_size)}
+        rows["v_proj"] = (self.q_size + self.kv_size, self.kv_size)
+        slots = {f"{prefix}.{n}.weight": WeightSlot(self.qkv_weight, s, r) for n, (s, r) in rows.items()}
+        if self.qkv_bias is not None:
+            slots |= {f"{prefix}.{n}.bias": WeightSlot(self.qkv_bias, s, r) for n, (s, r) in rows.items()}
+        slots[f"{prefix}.o_proj.weight"] = WeightSlot(self.o_weight)
+        if self.o_bias is not None:
+            slots[f"{prefix}.o_proj.bias"] = WeightSlot(self.o_bias)
+        return slots
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        # Rotate query and key heads together: they are adjacent in the fused output.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        qk = self.ops.apply_rotary(qk, cos, sin)
+        query, key = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.ops.paged_attention(
+            query, key, value, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
+        )
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, shape: ModelShape, biases: Biases, ops: KernelOps, device: torch.device):
+        super().__init__()
+        self.ops = ops
+        size, dtype = shape.intermediate_size, shape.dtype
+        self.gate_up_weight = _empty((2 * size, shape.hidden_size), dtype, device)
+        self.gate_up_bias = _empty((2 * size,), dtype, device) if biases.mlp else None
+        self.down_weight = _empty((shape.hidden_size, size), dtype, device)
+        self.down_bias = _empty((shape.hidden_size,), dtype, device) if biases.mlp else None
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        size = self.down_weight.shape[1]
+        slots = {
+            f"{prefix}.gate_proj.weight": WeightSlot(self.gate_up_weight, 0, size),
+            f"{prefix}.up_proj.weight": WeightSlot(self.gate_up_weight, size, size),
+            f"{prefix}.down_proj.weight": WeightSlot(self.down_weight),
+        }
+        if self.gate_up_bias is not None:
+            slots[f"{prefix}.gate_proj.bias"] = WeightSlot(self.gate_up_bias, 0, size)
+            slots[f"{prefix}.up_proj.bias"] = WeightSlot(self.gate_up_bias, size, size)
+            slots[f"{prefix}.down_proj.bias"] = WeightSlot(self.down_bias)
+        return slots
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(hidden, self.gate_up_weight, self.gate_up_bias)
+        return F.linear(self.ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        shape: ModelShape,
+        layer_idx: int,
+        biases: Biases,
+        eps: float,
+        ops: KernelOps,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.ops = ops
+        self.eps = eps
+        self.self_attn = DecoderAttention(shape, layer_idx, biases, ops, device)
+        self.mlp = DecoderMLP(shape, biases, ops, device)
+        self.input_norm_weight = _empty((shape.hidden_size,), shape.dtype, device)
+        self.post_attention_norm_weight = _empty((shape.hidden_size,), shape.dtype, device)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        return {
+            **self.self_attn.weight_slots(f"{prefix}.self_attn"),
+            **self.mlp.weight_slots(f"{prefix}.mlp"),
+            f"{prefix}.input_layernorm.weight": WeightSlot(self.input_norm_weight),
+            f"{prefix}.post_attention_layernorm.weight": WeightSlot(self.post_attention_norm_weight),
+        }
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.ops.rms_norm(hidden, self.input_norm_weight, self.eps)
+        else:
+            hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.ops.fused_add_rms_norm(
+            hidden, residual, self.post_attention_norm_weight, self.eps
+        )
+        return self.mlp(hidden), residual
+
+
+class DecoderForCausalLM(CausalLM):
+    """Llama-architecture causal LM; subclasses set the family's biases."""
+
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        eos_token_ids: list[int] | None = None,
+    ):
+        super().__init__()
+        device = torch.device(device)
+        self.shape = ModelShape.from_hf_config(config, dtype, eos_token_ids)
+        self.ops = get_ops(device)
+        self.eps = float(config.rms_norm_eps)
+        biases = self._biases(config)
+        shape = self.shape
+        self.embed_weight = _empty((shape.vocab_size, shape.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, i, biases, self.eps, self.ops, device) for i in range(shape.num_layers)
+        )
+        self.norm_weight = _empty((shape.hidden_size,), dtype, device)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head_weight = (
+            self.embed_weight if self.tied else _empty(self.embed_weight.shape, dtype, device)
+        )
+        inv_freq, self.attention_scaling = rope_from_hf_config(config, device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def _biases(cls, config: Any) -> Biases:
+        raise NotImplementedError
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        slots = {"model.embed_tokens.weight": WeightSlot(self.embed_weight)}
+        for i, layer in enumerate(self.layers):
+            slots |= layer.weight_slots(f"model.layers.{i}")
+        slots["model.norm.weight"] = WeightSlot(self.norm_weight)
+        if not self.tied:
+            slots["lm_head.weight"] = WeightSlot(self.lm_head_weight)
+        return slots
+
+    def ignored_weight_names(self) -> frozenset[str]:
+        names = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(self.shape.num_layers)}
+        if self.tied:
+            names.add("lm_head.weight")
+        return frozenset(names)
+
+    def tie_lm_head(self) -> None:
+        self.tied = True
+        self.lm_head_weight = self.embed_weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed_weight)
+        cos, sin = self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm_weight, self.eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,103 @@
+"""Reads Hugging Face checkpoints (safetensors or PyTorch .bin, single file or sharded) into a model.
+
+Tensors are streamed one at a time into the model's preallocated parameters (cast to the model dtype on copy),
+so peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ksana.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of ``model_dir``, preferring safetensors over .bin and a single file over shards."""
+    model_dir = Path(model_dir)
+    for single, index in zip(_SINGLE_FILES, _INDEX_FILES, strict=True):
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+        if (model_dir / index).is_file():
+            weight_map = json.loads((model_dir / index).read_text())["weight_map"]
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+            for path in files:
+                if not path.is_file():
+                    raise FileNotFoundError(f"shard {path.name} listed in {model_dir / index} does not exist")
+            return files
+    shards = sorted(model_dir.glob("model-*-of-*.safetensors"))
+    if shards:
+        return shards
+    raise FileNotFoundError(
+        f"no weights in {model_dir}: expected one of {', '.join(_SINGLE_FILES + _INDEX_FILES)}"
+    )
+
+
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """Yield ``(name, tensor, file)`` for every tensor, on CPU, lazily where the format allows."""
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, f.get_tensor(name), path
+        else:
+            try:
+                state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+            except RuntimeError:  # legacy (pre-zipfile) .bin files cannot be memory-mapped
+                state = torch.load(path, weights_only=True, map_location="cpu")
+            for name, tensor in state.items():
+                yield name, tensor, path
+            del state
+
+
+def load_weights(model: CausalLM, model_dir: str | Path) -> None:
+    """Fill every parameter of ``model`` from the checkpoint in ``model_dir``.
+
+    Raises ValueError naming the tensor and file on a shape mismatch, and naming the missing tensors when the
+    checkpoint lacks some. A missing ``lm_head.weight`` means tied embeddings.
+    """
+    slots = model.weight_slots()
+    ignored = model.ignored_weight_names()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor, path in iter_checkpoint_tensors(checkpoint_files(model_dir)):
+            slot = slots.get(name)
+            if slot is None:
+                if name not in ignored:
+                    unexpected.append(name)
+                continue
+            target = slot.target()
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
+                    f"but config.json implies {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+    if unexpected:
+        logger.warning(
+            "ignoring %d unexpected checkpoint tensors in %s: %s",
+            len(unexpected),
+            model_dir,
+            ", ".join(unexpected[:5]),
+        )
+    missing = sorted(set(slots) - loaded)
+    if missing == ["lm_head.weight"]:
+        logger.info("no lm_head.weight in %s: tying it to the input embedding", model_dir)
+        model.tie_lm_head()
+        missing = []
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint in {model_dir} lacks tensors {', '.join(missing[:5])}{more}")

@@ -1,0 +1,83 @@
+"""The dimensions of a model that the rest of the engine sizes things by (KV cache, perf models)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class ModelShape:
+    """Sizes of a decoder-only model; ``sliding_windows[i]`` is layer i's window (None: full attention)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    sliding_windows: list[int | None]
+    eos_token_ids: list[int]
+    dtype: torch.dtype
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Any, dtype: torch.dtype, eos_token_ids: list[int] | None = None
+    ) -> ModelShape:
+        """Read a ``transformers`` config (llama, qwen2, mistral-style field names)."""
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if eos_token_ids is None:
+            eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_windows=sliding_windows_from_hf_config(config),
+            eos_token_ids=eos_token_ids,
+            dtype=dtype,
+        )
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def sliding_windows_from_hf_config(config: Any) -> list[int | None]:
+    """Per-layer windows as ``transformers`` applies them.
+
+    ``layer_types`` wins when present (Qwen2 in transformers 5 derives it from ``use_sliding_window`` and
+    ``max_window_layers``; a "sliding_attention" layer uses ``sliding_window``, which Qwen2Config nulls when
+    ``use_sliding_window`` is off). Without it: Qwen2 (older transformers) slides layers ``>= max_window_layers``
+    when ``use_sliding_window``; Mistral-style configs slide every layer when ``sliding_window`` is set.
+    """
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"config.layer_types has {len(layer_types)} entries for {num_layers} layers")
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if window is None:
+        return [None] * num_layers
+    if config.model_type == "qwen2":
+        if not getattr(config, "use_sliding_window", False):
+            return [None] * num_layers
+        first = getattr(config, "max_window_layers", 0)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers

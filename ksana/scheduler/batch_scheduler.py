@@ -1,0 +1,284 @@
+"""BatchScheduler: continuous batching under a token budget; decides, never computes.
+
+Each step is a ``{request: num_new_tokens}`` plan (vLLM v1 style, no prefill/decode phases): running requests
+first, oldest first, then waiting requests FIFO until the first one that does not fit. Prefills are chunked to
+``split_fuse_token_num``. When the KV pool cannot hold a running request's next tokens, the newest running request
+is preempted by recompute: its blocks are released and it goes back to the front of the waiting queue with its
+generated tokens kept.
+
+The scheduler mirrors the cache manager's free-block count from the manager's replies, so it can plan a step that
+fits and ask for all of the step's blocks in one exchange.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import attrs
+
+from events.messages import BlockDemand, RequestDelta, SampledToken, ScheduledRow, StepBlocks
+from ksana.cache.direct_cache_manager import num_blocks_for
+from ksana.config import BatchSchedulerSetting
+from ksana.request import FinishReason, InferRequest, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define
+class ScheduledRequest:
+    """``do_sample``: the row reaches the end of the known tokens, so its last position is sampled."""
+
+    request: InferRequest
+    num_new_tokens: int
+    do_sample: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        req = self.request
+        self.do_sample = req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@attrs.define
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = attrs.field(factory=list)
+    preempted: list[InferRequest] = attrs.field(factory=list)
+    rejected: list[RequestDelta] = attrs.field(factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@attrs.define
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_rejected: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+
+
+class BatchScheduler:
+    """Waiting queue, running list and the step policy; the actor around it does the messaging."""
+
+    def __init__(self, setting: BatchSchedulerSetting, block_size: int, num_total_blocks: int,
+                 max_token_len: int) -> None:
+        self.setting = setting
+        self.block_size = block_size
+        self.num_total_blocks = num_total_blocks
+        # A request can never outgrow the whole pool, so a lone request always fits.
+        self.max_token_len = min(max_token_len, num_total_blocks * block_size)
+        self.waiting: collections.deque[InferRequest] = collections.deque()
+        self.running: list[InferRequest] = []
+        self.requests: dict[str, InferRequest] = {}
+        self.block_ids: dict[str, tuple[int, ...]] = {}
+        self.num_free_blocks = num_total_blocks
+        self.stats = SchedulerStats()
+
+    # ---- arrivals and departures ------------------------------------------------------------------------------
+    def add_request(self, request: InferRequest) -> RequestDelta | None:
+        """Queue a request; a rejection comes back as a finished delta with the error."""
+        error = None
+        if request.request_id in self.requests:
+            error = f"request id {request.request_id!r} is already in use"
+        elif len(self.waiting) >= self.setting.max_waiting_queue_len:
+            error = f"waiting queue is full ({self.setting.max_waiting_queue_len} requests); retry later"
+        elif request.num_prompt_tokens == 0:
+            error = "the prompt is empty"
+        elif request.num_prompt_tokens >= self.max_token_len:
+            error = (f"the prompt has {request.num_prompt_tokens} tokens; the maximum is {self.max_token_len - 1} "
+                     f"(max_token_len {self.max_token_len})")
+        if error is not None:
+            self.stats.num_rejected += 1
+            logger.info("request %s rejected: %s", request.request_id, error)
+            return _finished_delta(request, FinishReason.ERROR, error)
+        request.max_token_len = min(request.max_token_len, self.max_token_len)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return None
+
+    def abort_request(self, request_id: str) -> InferRequest | None:
+        """Remove a request wherever it is; returns it (its blocks must then be freed) or None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT
+        self._forget_blocks(request)
+        self.stats.num_aborted += 1
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning ---------------------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._reject_timed_out(now, out)
+        budget = self.setting.max_step_tokens
+        free = self.num_free_blocks
+        chunk = self.setting.split_fuse_token_num or None
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_to_compute, budget, chunk or budget)
+            need = self._missing_blocks(request, request.num_computed_tokens + num_new)
+            while need > free and self.running[-1] is not request:
+                free += self._preempt(self.running[-1], out)
+            if need > free:
+                free += self._preempt(request, out)
+                break
+            free -= need
+            budget -= num_new
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.setting.max_batch_size:
+            request = self.waiting[0]
+            num_new = request.num_tokens_to_compute
+            if chunk is not None:
+                num_new = min(num_new, chunk, budget)
+            elif num_new > budget and out.scheduled:
+                break  # without chunking a prompt runs whole; it waits for a step of its own
+            need = self._missing_blocks(request, request.num_computed_tokens + num_new)
+            if need > free:
+                break
+            free -= need
+            budget -= num_new
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+        if out.scheduled:
+            self.stats.num_steps += 1
+        return out
+
+    def block_demands(self, out: SchedulerOutput) -> tuple[BlockDemand, ...]:
+        return tuple(
+            BlockDemand(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens) for s in out.scheduled
+        )
+
+    def apply_blocks(self, out: SchedulerOutput, reply: StepBlocks) -> None:
+        """Take the granted block tables; a refused request is preempted (the direct manager never refuses a
+        plan made from an accurate mirror, a sharing manager may)."""
+        self.num_free_blocks = reply.num_free_blocks
+        self.block_ids.update(reply.block_tables)
+        if not reply.refused:
+            return
+        refused = set(reply.refused)
+        kept = []
+        for s in out.scheduled:
+            if s.request.request_id in refused:
+                self._preempt(s.request, out)
+            else:
+                kept.append(s)
+        out.scheduled = kept
+
+    def build_rows(self, out: SchedulerOutput) -> tuple[ScheduledRow, ...]:
+        rows = []
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            tokens = tuple(req.token_ids[start:start + s.num_new_tokens])
+            params = req.sampling_params
+            sample = s.do_sample
+            rows.append(ScheduledRow(
+                request_id=req.request_id,
+                token_ids=tokens,
+                start_position=start,
+                block_ids=self.block_ids[req.request_id],
+                do_sample=sample,
+                sampling_params=params if sample else None,
+                seed=req.seed,
+                num_output_tokens=req.num_output_tokens,
+                prompt_token_ids=req.prompt_token_ids if sample and params.has_penalties else (),
+                output_token_ids=req.output_token_ids if sample and params.has_penalties else (),
+                banned_token_ids=req.banned_token_ids() if sample else (),
+            ))
+        return tuple(rows)
+
+    # ---- results ----------------------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> tuple[list[RequestDelta], list[str]]:
+        """Advance every scheduled request by its step; returns the deltas and the ids whose blocks to free."""
+        deltas: list[RequestDelta] = []
+        finished: list[str] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.do_sample:
+                continue
+            token = sampled[req.request_id]
+            req.append_token(token.token_id)
+            reason = req.stop_reason_after(token.token_id)
+            if reason is not None:
+                self._finish(req, reason)
+                finished.append(req.request_id)
+            deltas.append(RequestDelta(
+                request_id=req.request_id,
+                new_token_ids=(token.token_id,),
+                new_logprobs=(token.logprob,),
+                new_top_logprobs=(token.top_logprobs,),
+                finish_reason=reason.value if reason is not None else None,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            ))
+        return deltas, finished
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _missing_blocks(self, request: InferRequest, num_tokens: int) -> int:
+        have = len(self.block_ids.get(request.request_id, ()))
+        return max(0, num_blocks_for(num_tokens, self.block_size) - have)
+
+    def _preempt(self, request: InferRequest, out: SchedulerOutput) -> int:
+        """Recompute-preempt: back to the front of the waiting queue; returns the blocks it gives back."""
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        self.stats.num_preemptions += 1
+        logger.info("request %s preempted (recompute), %d tokens to redo", request.request_id, request.num_tokens)
+        return self._forget_blocks(request)
+
+    def _forget_blocks(self, request: InferRequest) -> int:
+        num = len(self.block_ids.pop(request.request_id, ()))
+        self.num_free_blocks += num
+        return num
+
+    def _finish(self, request: InferRequest, reason: FinishReason) -> None:
+        self.running.remove(request)
+        del self.requests[request.request_id]
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._forget_blocks(request)
+        self.stats.num_finished += 1
+
+    def _reject_timed_out(self, now: float, out: SchedulerOutput) -> None:
+        timeout = self.setting.waiting_timeout_in_ms / 1000.0
+        expired = [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time > timeout]
+        for request in expired:
+            self.waiting.remove(request)
+            del self.requests[request.request_id]
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = FinishReason.ERROR
+            self.stats.num_rejected += 1
+            message = f"request waited longer than waiting_timeout_in_ms={self.setting.waiting_timeout_in_ms}"
+            logger.info("request %s rejected: %s", request.request_id, message)
+            out.rejected.append(_finished_delta(request, FinishReason.ERROR, message))
+
+
+def _finished_delta(request: InferRequest, reason: FinishReason, error: str | None = None) -> RequestDelta:
+    return RequestDelta(request_id=request.request_id, finish_reason=reason.value, error=error,
+                        num_prompt_tokens=request.num_prompt_tokens)

@@ -1,0 +1,95 @@
+"""The scheduler actor: turns arrivals and step results into the next step's plan.
+
+One step in flight at a time. A step is planned when the worker is free and there is work: the plan's blocks are
+requested from the cache manager in one exchange, the plan goes to the worker, and the worker's ``StepResult``
+triggers the update, the outputs to the I/O actor and the next plan.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from events import Actor, handles
+from events.messages import (
+    AbortRequest,
+    AddRequest,
+    AllocateStepBlocks,
+    ExecuteStep,
+    FreeRequestBlocks,
+    RequestDelta,
+    StepPlan,
+    StepResult,
+    TokensOut,
+)
+from ksana.scheduler.batch_scheduler import BatchScheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerActor(Actor):
+    name = "scheduler"
+
+    def __init__(self, scheduler: BatchScheduler) -> None:
+        self.scheduler = scheduler
+        self._in_flight: SchedulerOutput | None = None
+        self._next_step_id = 0
+        self._pending_release: list[str] = []
+
+    def _now(self) -> float:
+        return self.loop.clock.now()
+
+    @handles(AddRequest)
+    async def on_add(self, msg: AddRequest) -> None:
+        request = msg.request
+        if request.arrival_time == 0.0:
+            request.arrival_time = self._now()
+        rejection = self.scheduler.add_request(request)
+        if rejection is not None:
+            await self.send(TokensOut((rejection,), time=self._now()))
+            return
+        await self._maybe_start_step()
+
+    @handles(AbortRequest)
+    async def on_abort(self, msg: AbortRequest) -> None:
+        request = self.scheduler.abort_request(msg.request_id)
+        if request is None:
+            return
+        logger.info("request %s aborted (%s)", msg.request_id, msg.reason)
+        await self.send(FreeRequestBlocks((msg.request_id,)))
+        delta = RequestDelta(request_id=msg.request_id, finish_reason=msg.reason,
+                             num_prompt_tokens=request.num_prompt_tokens)
+        await self.send(TokensOut((delta,), time=self._now()))
+
+    @handles(StepResult)
+    async def on_step_result(self, msg: StepResult) -> None:
+        out, self._in_flight = self._in_flight, None
+        assert out is not None and msg.step_id == self._next_step_id - 1, "step result out of order"
+        deltas, finished = self.scheduler.update(out, msg.sampled)
+        if finished:
+            await self.send(FreeRequestBlocks(tuple(finished)))
+        if deltas:
+            await self.send(TokensOut(tuple(deltas), time=self._now()))
+        await self._maybe_start_step()
+
+    async def _maybe_start_step(self) -> None:
+        while self._in_flight is None and self.scheduler.has_unfinished:
+            out = self.scheduler.schedule(self._now())
+            if out.rejected:
+                await self.send(TokensOut(tuple(out.rejected), time=self._now()))
+            release = tuple(self._pending_release) + tuple(r.request_id for r in out.preempted)
+            self._pending_release.clear()
+            if not out.scheduled:
+                if release:
+                    await self.send(FreeRequestBlocks(release))
+                return
+            num_preempted = len(out.preempted)
+            reply = await self.request(AllocateStepBlocks(self.scheduler.block_demands(out), release=release))
+            self.scheduler.apply_blocks(out, reply)
+            # Requests preempted on a refusal still hold blocks in the manager: release them next time.
+            self._pending_release.extend(r.request_id for r in out.preempted[num_preempted:])
+            if not out.scheduled:
+                continue
+            plan = StepPlan(step_id=self._next_step_id, rows=self.scheduler.build_rows(out))
+            self._next_step_id += 1
+            self._in_flight = out
+            await self.send(ExecuteStep(plan))

@@ -1,0 +1,208 @@
+"""Sampler: turns one step's logits into tokens and logprobs, one row per request.
+
+Greedy rows without penalties or bans (the common case) are one vectorised argmax; the other rows go through
+bans -> repetition penalty -> presence/frequency penalties -> (greedy argmax | temperature -> top-k -> top-p ->
+min-p -> random draw). Each random draw uses its own generator seeded from (seed, num_output_tokens), so a
+request's tokens do not depend on its batch neighbours, the batch order or a preemption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ksana.sampling_params import SamplingParams
+
+
+@attrs.frozen
+class SamplingRow:
+    """What the sampler needs to know about one request for this step."""
+
+    params: SamplingParams
+    seed: int  # every request has one (the scheduler draws one when the user gave none)
+    num_output_tokens: int  # tokens generated so far; with `seed` it seeds this draw's generator
+    prompt_token_ids: Sequence[int]  # repetition penalty runs over prompt + output (HF semantics)
+    output_token_ids: Sequence[int]  # presence/frequency penalties run over output only (OpenAI semantics)
+    banned_token_ids: Sequence[int] = ()  # masked to -inf (min_tokens: EOS and stop ids before the minimum)
+
+    @property
+    def needs_processing(self) -> bool:
+        """False for the fast path: greedy on the raw logits."""
+        return not self.params.is_greedy or self.params.has_penalties or len(self.banned_token_ids) > 0
+
+
+@attrs.frozen
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each chosen token under the raw logits
+    top_logprobs: list[list[tuple[int, float]] | None]  # per row: top-`params.logprobs` pairs or None
+
+
+def generator_seed(seed: int, num_output_tokens: int) -> int:
+    """A 63-bit seed from (seed, num_output_tokens), the same in every process (unlike the salted `hash`)."""
+    digest = hashlib.blake2b(f"{seed}:{num_output_tokens}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _flat_index(per_row: Sequence[Sequence[int]], vocab_size: int, device: torch.device):
+    """(row, token) index tensors for a ragged list of token lists, dropping ids outside the vocab like HF."""
+    rows = torch.tensor(
+        list(itertools.chain.from_iterable(itertools.repeat(i, len(ids)) for i, ids in enumerate(per_row))),
+        dtype=torch.long,
+    )
+    tokens = torch.tensor(list(itertools.chain.from_iterable(per_row)), dtype=torch.long)
+    keep = (tokens >= 0) & (tokens < vocab_size)
+    return rows[keep].to(device), tokens[keep].to(device)
+
+
+class Sampler:
+    """Stateless; call it once per step with float32 logits [N, V] and N rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        logits = logits.float()
+        # Raw logprobs (vLLM v1's default): what a greedy request reports equals HF's log_softmax of its logits.
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        token_ids = logits.argmax(dim=-1)  # the fast path for every row; processed rows overwrite theirs
+        processed = [i for i, row in enumerate(rows) if row.needs_processing]
+        if processed:
+            index = torch.tensor(processed, dtype=torch.long, device=logits.device)
+            token_ids[index] = _sample_processed(logits[index], [rows[i] for i in processed])
+
+        chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=chosen_logprobs.tolist(),
+            top_logprobs=_top_logprobs(raw_logprobs, rows),
+        )
+
+
+def _sample_processed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Token ids for rows that need penalties, bans or a random draw; `logits` [M, V] is not modified."""
+    x = logits.clone()
+    num_rows, vocab_size = x.shape
+    device = x.device
+
+    if any(row.banned_token_ids for row in rows):
+        r, t = _flat_index([row.banned_token_ids for row in rows], vocab_size, device)
+        x[r, t] = float("-inf")
+
+    _apply_repetition_penalty(x, rows)
+    _apply_presence_frequency_penalties(x, rows)
+
+    token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+    greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if greedy:
+        index = torch.tensor(greedy, dtype=torch.long, device=device)
+        token_ids[index] = x[index].argmax(dim=-1)
+    if sampled:
+        index = torch.tensor(sampled, dtype=torch.long, device=device)
+        sampled_rows = [rows[i] for i in sampled]
+        probs = _truncated_probs(x[index], sampled_rows)
+        token_ids[index] = _draw(probs, sampled_rows)
+    return token_ids
+
+
+def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """HF's RepetitionPenaltyLogitsProcessor, in place: over prompt + output, at most once per token."""
+    picked = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if not picked:
+        return
+    r, t = _flat_index(
+        [list(itertools.chain(rows[i].prompt_token_ids, rows[i].output_token_ids)) for i in picked],
+        x.shape[1],
+        x.device,
+    )
+    r = torch.tensor(picked, dtype=torch.long, device=x.device)[r]
+    penalty = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype, device=x.device)[r]
+    score = x[r, t]
+    # Duplicated (row, token) pairs compute and write the same value, so the penalty still applies once.
+    x[r, t] = torch.where(score < 0, score * penalty, score / penalty)
+
+
+def _apply_presence_frequency_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """OpenAI's penalties, in place: subtract presence * (count > 0) + frequency * count over output tokens."""
+    picked = [
+        i
+        for i, row in enumerate(rows)
+        if row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0
+    ]
+    if not picked:
+        return
+    r, t = _flat_index([rows[i].output_token_ids for i in picked], x.shape[1], x.device)
+    counts = torch.zeros(len(picked), x.shape[1], dtype=x.dtype, device=x.device)
+    counts.index_put_((r, t), torch.ones_like(t, dtype=x.dtype), accumulate=True)
+    presence = torch.tensor([rows[i].params.presence_penalty for i in picked], dtype=x.dtype, device=x.device)
+    frequency = torch.tensor(
+        [rows[i].params.frequency_penalty for i in picked], dtype=x.dtype, device=x.device
+    )
+    index = torch.tensor(picked, dtype=torch.long, device=x.device)
+    x[index] -= presence.unsqueeze(1) * (counts > 0).to(x.dtype) + frequency.unsqueeze(1) * counts
+
+
+def _truncated_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p (HF semantics: smallest set reaching p) and min-p; returns probabilities."""
+    num_rows, vocab_size = x.shape
+    device = x.device
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=x.dtype, device=device)
+    x = x / temperature.unsqueeze(1)
+
+    top_k = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
+    top_p = [row.params.top_p for row in rows]
+    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_x, sorted_index = x.sort(dim=-1)  # ascending
+        if any(k < vocab_size for k in top_k):
+            kth = torch.tensor([vocab_size - k for k in top_k], dtype=torch.long, device=device)
+            threshold = sorted_x.gather(1, kth.unsqueeze(1))  # ties with the k-th logit survive, as in HF
+            sorted_x = sorted_x.masked_fill(sorted_x < threshold, float("-inf"))
+        if any(p < 1.0 for p in top_p):
+            cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+            p = torch.tensor(top_p, dtype=x.dtype, device=device)
+            remove = cumulative <= (1.0 - p).unsqueeze(1)
+            remove[:, -1] = False  # always keep the most likely token
+            sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, sorted_index, sorted_x)
+
+    probs = x.softmax(dim=-1)
+    min_p = [row.params.min_p for row in rows]
+    if any(m > 0.0 for m in min_p):
+        scale = torch.tensor(min_p, dtype=x.dtype, device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < scale * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One draw per row by the exponential race argmax(p / Exp(1)), each row with its own seeded generator."""
+    noise = torch.empty_like(probs)
+    for i, row in enumerate(rows):
+        generator = torch.Generator(device=probs.device)
+        generator.manual_seed(generator_seed(row.seed, row.num_output_tokens))
+        noise[i].exponential_(generator=generator)
+    # A zero draw would turn 0 / 0 into NaN, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _top_logprobs(
+    raw_logprobs: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[list[tuple[int, float]] | None]:
+    result: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not asked:
+        return result
+    num_top = min(max(rows[i].params.logprobs for i in asked), raw_logprobs.shape[1])
+    index = torch.tensor(asked, dtype=torch.long, device=raw_logprobs.device)
+    values, token_ids = raw_logprobs[index].topk(num_top, dim=-1)  # sorted, largest first
+    values, token_ids = values.tolist(), token_ids.tolist()
+    for j, i in enumerate(asked):
+        n = rows[i].params.logprobs
+        result[i] = list(zip(token_ids[j][:n], values[j][:n], strict=True))
+    return result

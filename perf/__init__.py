@@ -1,0 +1,1 @@
+"""ModelPerfBackend and the perf-mode config readers (their issue adds the contents)."""

@@ -1,0 +1,1 @@
+"""The scheduler simulator on a virtual clock (its issue adds the contents)."""

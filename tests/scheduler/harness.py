@@ -1,0 +1,116 @@
+"""Runs the real scheduler and cache-manager actors against the KV-hash oracle worker on a virtual clock."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import trio
+import trio.testing
+
+from events import Actor, EventLoop, handles
+from events.clock import VirtualClock
+from events.messages import AbortRequest, AddRequest, CacheStats, GetCacheStats, TokensOut
+from ksana.cache.cache_manager_actor import CacheManagerActor
+from ksana.cache.direct_cache_manager import DirectCacheManager
+from ksana.config import BatchSchedulerSetting
+from ksana.request import InferRequest
+from ksana.sampling_params import SamplingParams
+from ksana.scheduler.batch_scheduler import BatchScheduler
+from ksana.scheduler.scheduler_actor import SchedulerActor
+from tests.kv_hash_oracle import EOS, VOCAB, OracleWorker
+
+
+@attrs.define
+class Collected:
+    tokens: list[int] = attrs.field(factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class CollectorIO(Actor):
+    name = "io"
+
+    def __init__(self, num_requests: int) -> None:
+        self.results: dict[str, Collected] = {}
+        self.num_open = num_requests
+        self.all_done = trio.Event()
+
+    @handles(TokensOut)
+    async def on_tokens(self, msg: TokensOut) -> None:
+        for delta in msg.deltas:
+            result = self.results.setdefault(delta.request_id, Collected())
+            assert result.finish_reason is None, f"delta after finish for {delta.request_id}"
+            result.tokens.extend(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                result.finish_reason = delta.finish_reason
+                result.error = delta.error
+                self.num_open -= 1
+                if self.num_open == 0:
+                    self.all_done.set()
+
+
+@attrs.define
+class Arrival:
+    time: float
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    abort_at: float | None = None
+
+
+@attrs.define
+class RunResult:
+    results: dict[str, Collected]
+    stats_after: CacheStats
+    scheduler: BatchScheduler
+    worker: OracleWorker
+
+
+def random_arrivals(rng: random.Random, num: int, max_prompt: int = 60, max_new: int = 30,
+                    abort_fraction: float = 0.0) -> list[Arrival]:
+    arrivals, t = [], 0.0
+    for i in range(num):
+        t += rng.expovariate(20.0)
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_prompt))]
+        abort_at = t + rng.uniform(0.0, 0.3) if rng.random() < abort_fraction else None
+        arrivals.append(Arrival(t, f"r{i}", prompt, rng.randint(1, max_new), abort_at))
+    return arrivals
+
+
+def run_workload(arrivals: list[Arrival], setting: BatchSchedulerSetting, num_blocks: int, block_size: int,
+                 max_token_len: int = 4096, step_latency=lambda plan: 0.005 + 0.0005 * plan.num_tokens) -> RunResult:
+    scheduler = BatchScheduler(setting, block_size, num_blocks, max_token_len)
+    manager = DirectCacheManager(num_blocks, block_size)
+    worker = OracleWorker(num_blocks, block_size, step_latency)
+    io = CollectorIO(len(arrivals))
+    out: dict = {}
+
+    async def main() -> None:
+        loop = EventLoop(clock=VirtualClock())
+        for actor in (SchedulerActor(scheduler), CacheManagerActor(manager), worker, io):
+            loop.register(actor)
+
+        async def arrive(arrival: Arrival) -> None:
+            await trio.sleep_until(arrival.time)
+            request = InferRequest(
+                request_id=arrival.request_id, prompt_token_ids=arrival.prompt,
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=arrival.max_tokens),
+                seed=0, arrival_time=arrival.time, eos_token_ids=(EOS,),
+            )
+            await loop.send(AddRequest(request), sender="test")
+            if arrival.abort_at is not None:
+                await trio.sleep_until(arrival.abort_at)
+                await loop.send(AbortRequest(arrival.request_id), sender="test")
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(loop.run)
+            async with trio.open_nursery() as arrivals_nursery:
+                for arrival in arrivals:
+                    arrivals_nursery.start_soon(arrive, arrival)
+            await io.all_done.wait()
+            out["stats"] = await loop.request(GetCacheStats(), sender="test")
+            loop.shutdown()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return RunResult(io.results, out["stats"], scheduler, worker)
