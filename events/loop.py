@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 # Name of the actor whose task is running (None in background tasks and outside the loop): a task that blocks
 # in a request or a full mailbox while this is set blocks that actor's mailbox, which is what deadlocks.
-_current_actor: contextvars.ContextVar[str | None] = contextvars.ContextVar("events_current_actor", default=None)
+_current_actor: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "events_current_actor", default=None
+)
 
 
 class _State(enum.Enum):
@@ -110,7 +112,9 @@ def _collapse(group: BaseExceptionGroup, failure: ActorError | None) -> BaseExce
 class EventLoop:
     """Actor runtime on trio. Register actors, then ``await loop.run()`` (or ``async with loop.running()``)."""
 
-    def __init__(self, clock: Clock | None = None, mailbox_size: int = 1024, trace_capacity: int = 100_000) -> None:
+    def __init__(
+        self, clock: Clock | None = None, mailbox_size: int = 1024, trace_capacity: int = 100_000
+    ) -> None:
         if mailbox_size < 0:
             raise ValueError(f"mailbox_size must be >= 0, got {mailbox_size}")
         self.clock: Clock = clock if clock is not None else WallClock()
@@ -222,7 +226,9 @@ class EventLoop:
         try:
             delivered = await self._deliver(_Envelope(msg, sender, self.clock.now(), reply, route))
             if not delivered:
-                raise LoopStoppedError(f"event loop stopped; {route.type_name} to {route.actor!r} not delivered")
+                raise LoopStoppedError(
+                    f"event loop stopped; {route.type_name} to {route.actor!r} not delivered"
+                )
             if waiter is None:
                 await reply.event.wait()
             else:
@@ -309,7 +315,9 @@ class EventLoop:
         if self._state is not _State.NEW:
             raise EventsError("an EventLoop runs only once")
         self._state = _State.RUNNING
-        if isinstance(self.clock, WallClock) and isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+        if isinstance(self.clock, WallClock) and isinstance(
+            trio.lowlevel.current_clock(), trio.testing.MockClock
+        ):
             logger.warning("event loop: WallClock under trio MockClock; trace times will not match sleeps")
         self._num_busy = len(self._actors)
         if not self._actors:
@@ -462,8 +470,14 @@ class EventLoop:
                 if trace.capacity:
                     trace.add(
                         TraceRecord(
-                            env.route.type_name, env.sender, name, env.sent, started, clock.now(),
-                            reply is not None, f"{type(exc).__name__}: {exc}",
+                            env.route.type_name,
+                            env.sender,
+                            name,
+                            env.sent,
+                            started,
+                            clock.now(),
+                            reply is not None,
+                            f"{type(exc).__name__}: {exc}",
                         )
                     )
                 failure = ActorError(name, env.route.type_name, env.sender, exc)
@@ -478,7 +492,13 @@ class EventLoop:
             if trace.capacity:
                 trace.add(
                     TraceRecord(
-                        env.route.type_name, env.sender, name, env.sent, started, clock.now(), reply is not None
+                        env.route.type_name,
+                        env.sender,
+                        name,
+                        env.sent,
+                        started,
+                        clock.now(),
+                        reply is not None,
                     )
                 )
             if reply is not None:

@@ -146,7 +146,9 @@ class Trace:
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process_name}}
         ]
         for name, tid in tids.items():
-            metadata.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            metadata.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+            )
             metadata.append(
                 {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
             )

@@ -93,11 +93,9 @@ class LLM:
     async def _run(self, requests: list[InferRequest], streams: dict[str, SequenceStream], on_finish) -> None:
         io = OfflineIOActor(streams, on_finish=on_finish)
         loop = self.engine.build_loop(io)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(loop.run)
+        async with loop.running():
             await io.submit(requests)
             await io.all_done.wait()
-            loop.shutdown()
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import trio
-
-from events import Actor, handles
+from events import Actor, handles, run_blocking
 from events.messages import ExecuteStep, StepResult
 from ksana.worker.model_runner import ModelRunner
 
@@ -17,5 +15,5 @@ class WorkerActor(Actor):
 
     @handles(ExecuteStep)
     async def on_execute(self, msg: ExecuteStep) -> None:
-        sampled, timings = await trio.to_thread.run_sync(self.runner.execute, msg.plan)
+        sampled, timings = await run_blocking(self.runner.execute, msg.plan)
         await self.send(StepResult(step_id=msg.plan.step_id, sampled=sampled, timings=timings))

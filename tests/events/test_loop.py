@@ -356,7 +356,9 @@ def test_actor_exception_stops_loop_with_actor_error_and_pending_requests_fail()
         assert err.actor == "bomb" and err.message_type == "Explode" and err.sender == "client"
         assert "bomb" in str(err) and "Explode" in str(err) and "client" in str(err) and "boom" in str(err)
         assert isinstance(err.__cause__, ValueError)
-        assert isinstance(outcomes["client"], ActorError) and isinstance(outcomes["client"].__cause__, ValueError)
+        assert isinstance(outcomes["client"], ActorError) and isinstance(
+            outcomes["client"].__cause__, ValueError
+        )
         assert isinstance(outcomes["waiting"], LoopStoppedError)
         assert outcomes["waiting"].__cause__ is err
         with pytest.raises(LoopStoppedError):
@@ -615,3 +617,50 @@ def test_run_blocking_uses_a_thread_under_the_real_clock():
         return await run_blocking(lambda: threading.current_thread() is threading.main_thread())
 
     assert trio.run(main) is False
+
+
+def test_actor_can_shut_the_loop_down_from_its_handler():
+    class Finisher(Actor):
+        name = "finisher"
+
+        def __init__(self) -> None:
+            self.stopped_at: float | None = None
+
+        async def on_start(self) -> None:
+            await self.send(Work(2.0))  # a perf backend kicks itself off the same way
+
+        @handles(Work)
+        async def on_work(self, msg: Work) -> None:
+            await advance(msg.seconds)
+            self.loop.shutdown()
+
+        async def on_stop(self) -> None:
+            self.stopped_at = self.now()
+
+    async def main():
+        loop = EventLoop(clock=VirtualClock())
+        finisher = Finisher()
+        loop.register(finisher)
+        await loop.run()  # returns by itself
+        assert finisher.stopped_at == 2.0
+        assert [(r.message_type, r.sender) for r in loop.trace.records()] == [("Work", "finisher")]
+
+    run_virtual(main)
+
+
+def test_running_context_passes_body_errors_and_outer_cancellation_through():
+    async def main():
+        loop = EventLoop(clock=VirtualClock())
+        loop.register(Recorder())
+        with pytest.raises(KeyError, match="body"):  # bare, not an ExceptionGroup
+            async with loop.running():
+                raise KeyError("body")
+        assert not loop.is_running
+        other = EventLoop(clock=VirtualClock())
+        other.register(Recorder())
+        with trio.move_on_after(5) as scope:
+            async with other.running():
+                await trio.sleep_forever()
+        assert scope.cancelled_caught and trio.current_time() == 5.0
+
+    run_virtual(main)

@@ -104,7 +104,12 @@ def test_chrome_trace_structure_and_json_round_trip(tmp_path):
     second = complete[1]
     assert second["name"] == "Step" and second["tid"] == names["worker"] and second["cat"] == "message"
     assert second["ts"] == 1_000_000.0 and second["dur"] == 2_000_000.0  # microseconds
-    assert second["args"] == {"sender": "external", "receiver": "worker", "is_request": False, "queue_us": 1e6}
+    assert second["args"] == {
+        "sender": "external",
+        "receiver": "worker",
+        "is_request": False,
+        "queue_us": 1e6,
+    }
     assert complete[2]["cat"] == "request"
     assert complete[3]["tid"] == names["scheduler"] and complete[4]["args"]["sender"] == "scheduler"
     begins = [e for e in events if e["ph"] == "b"]

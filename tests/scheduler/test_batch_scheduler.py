@@ -81,3 +81,24 @@ def test_newest_running_request_is_preempted_when_blocks_run_out():
     c = s.waiting[0]
     assert c.request_id == "c" and c.status is RequestStatus.WAITING and c.num_computed_tokens == 0
     assert c.num_tokens == 5  # prompt + its one generated token, recomputed later
+
+
+def test_eos_stops_unless_ignored_and_not_before_min_tokens():
+    s = BatchScheduler(BatchSchedulerSetting(), 4, 100, 1000)
+    plain = _request("plain", 3, max_tokens=8)
+    ignoring = _request("ignoring", 3, max_tokens=8)
+    ignoring.sampling_params.ignore_eos = True
+    early = InferRequest(request_id="early", prompt_token_ids=[1, 2], seed=0,
+                         sampling_params=SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2))
+    for request in (plain, ignoring, early):
+        request.eos_token_ids = (99,)
+        s.add_request(request)
+    assert early.banned_token_ids() == (99,)
+    _step(s)  # every request samples 99, the EOS
+    assert plain.finish_reason.value == "stop" and plain.output_token_ids == [99]
+    assert ignoring.finish_reason is None and early.finish_reason is None
+    assert early.banned_token_ids() == (99,)
+    _step(s)
+    assert early.finish_reason.value == "stop" and early.output_token_ids == [99, 99]
+    assert early.banned_token_ids() == ()
+    assert ignoring.finish_reason is None

@@ -1,0 +1,34 @@
+"""The real model: Ksana's greedy SmolLM2-135M-Instruct output equals ``transformers``' and knows Paris."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from ksana import LLM, SamplingParams
+from ksana.builtin import smollm2_model_dir
+
+PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+def test_smollm2_greedy_matches_transformers_and_answers_paris():
+    llm = LLM(model="smollm2", max_batch_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    results = llm.generate(PROMPTS, params, use_tqdm=False)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_model_dir(progress=False)), dtype=torch.float32).eval()
+    for result in results:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([result.prompt_token_ids]), max_new_tokens=24, do_sample=False)
+        expected = out[0, len(result.prompt_token_ids):].tolist()
+        assert result.outputs[0].token_ids == expected, result.prompt
+
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in answer.text, answer.text
+    assert answer.finish_reason == "stop"  # ended on <|im_end|>, which the text does not show
+    assert "<|im_end|>" not in answer.text
