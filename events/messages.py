@@ -58,6 +58,8 @@ class TokensOut:
 
     deltas: tuple[RequestDelta, ...]
     time: float = 0.0
+    num_running: int = 0  # the scheduler's queue sizes after this step, for the I/O side's metrics
+    num_waiting: int = 0
 
 
 # ---- scheduler <-> cache manager --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-device-blocks", type=int)
 
 
-def _config_overrides(args: argparse.Namespace) -> dict:
+def config_overrides(args: argparse.Namespace) -> dict:
     keys = ("dtype", "max_batch_size", "max_step_tokens", "block_token_num", "split_fuse_token_num",
             "num_device_blocks")
     return {key: getattr(args, key) for key in keys}
@@ -39,7 +39,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ksana.llm import LLM
     from ksana.sampling_params import SamplingParams
 
-    llm = LLM(model=args.model, config=args.config, **_config_overrides(args))
+    llm = LLM(model=args.model, config=args.config, **config_overrides(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     started = time.perf_counter()
     if args.chat:
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
     gen.set_defaults(func=_cmd_generate)
+
+    from ksana.server.cli import add_serve_parser
+    from perf.cli import add_perf_parser
+
+    add_serve_parser(sub, _add_config_flags)
+    add_perf_parser(sub)
     return parser
 
 

@@ -32,6 +32,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_request_id = 0
         self._rng = random.Random()
+        self.last_trace = None
 
     # ---- public API -------------------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -93,6 +94,7 @@ class LLM:
     async def _run(self, requests: list[InferRequest], streams: dict[str, SequenceStream], on_finish) -> None:
         io = OfflineIOActor(streams, on_finish=on_finish)
         loop = self.engine.build_loop(io)
+        self.last_trace = loop.trace  # the message trace of the latest generate(): Chrome JSON via write_chrome_trace
         async with loop.running():
             await io.submit(requests)
             await io.all_done.wait()

@@ -38,6 +38,10 @@ class SchedulerActor(Actor):
     def _now(self) -> float:
         return self.loop.clock.now()
 
+    def _tokens_out(self, deltas: tuple[RequestDelta, ...]) -> TokensOut:
+        return TokensOut(deltas, time=self._now(), num_running=len(self.scheduler.running),
+                         num_waiting=len(self.scheduler.waiting))
+
     @handles(AddRequest)
     async def on_add(self, msg: AddRequest) -> None:
         request = msg.request
@@ -45,7 +49,7 @@ class SchedulerActor(Actor):
             request.arrival_time = self._now()
         rejection = self.scheduler.add_request(request)
         if rejection is not None:
-            await self.send(TokensOut((rejection,), time=self._now()))
+            await self.send(self._tokens_out((rejection,)))
             return
         await self._maybe_start_step()
 
@@ -58,7 +62,7 @@ class SchedulerActor(Actor):
         await self.send(FreeRequestBlocks((msg.request_id,)))
         delta = RequestDelta(request_id=msg.request_id, finish_reason=msg.reason,
                              num_prompt_tokens=request.num_prompt_tokens)
-        await self.send(TokensOut((delta,), time=self._now()))
+        await self.send(self._tokens_out((delta,)))
 
     @handles(StepResult)
     async def on_step_result(self, msg: StepResult) -> None:
@@ -68,14 +72,14 @@ class SchedulerActor(Actor):
         if finished:
             await self.send(FreeRequestBlocks(tuple(finished)))
         if deltas:
-            await self.send(TokensOut(tuple(deltas), time=self._now()))
+            await self.send(self._tokens_out(tuple(deltas)))
         await self._maybe_start_step()
 
     async def _maybe_start_step(self) -> None:
         while self._in_flight is None and self.scheduler.has_unfinished:
             out = self.scheduler.schedule(self._now())
             if out.rejected:
-                await self.send(TokensOut(tuple(out.rejected), time=self._now()))
+                await self.send(self._tokens_out(tuple(out.rejected)))
             release = tuple(self._pending_release) + tuple(r.request_id for r in out.preempted)
             self._pending_release.clear()
             if not out.scheduled:

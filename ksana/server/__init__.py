@@ -1,0 +1,1 @@
+"""The OpenAI-compatible streaming server and KsanaLLM's native /generate API."""
