@@ -1,7 +1,7 @@
 """The engine's message vocabulary: every exchange between actors is one of these frozen attrs classes.
 
 The loop routes by type, so each type has exactly one handling actor:
-- scheduler: ``AddRequest``, ``AbortRequest``, ``StepResult``;
+- scheduler: ``AddRequest``, ``AddRequests``, ``AbortRequest``, ``StepResult``;
 - cache manager: ``AllocateStepBlocks`` (request/reply), ``FreeRequestBlocks``, ``GetCacheStats`` (request/reply);
 - worker: ``ExecuteStep``;
 - I/O actor (or ModelPerfBackend, or the simulator's workload replayer): ``TokensOut``.
@@ -27,6 +27,14 @@ class AddRequest:
     """A new request; from here on the scheduler owns the ``InferRequest``."""
 
     request: InferRequest
+
+
+@attrs.frozen
+class AddRequests:
+    """Several new requests at once: all are queued before the next step is planned, so they can share it
+    (perf mode replays a fixed batch as exactly one step; one ``AddRequest`` each would start a step per arrival)."""
+
+    requests: tuple[InferRequest, ...]
 
 
 @attrs.frozen

@@ -2,17 +2,32 @@
 
 Models hold the ``KernelOps`` returned by ``get_ops(device)`` and call ops only through it, so adding Triton or
 torch-npu kernels is a change here and nowhere else. Today every device maps to the torch reference path.
+
+Every op of a forward pass has a field named after its role (the projections too, although each is a plain
+``F.linear`` today), so perf mode can time each role by swapping in ``ops.timed(timer)``: the plain ops stay raw
+functions, and with profiling off the model pays nothing for the hooks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from kernels import activation, attention, norm, rotary
+
+if TYPE_CHECKING:
+    from ksana.worker.attention_metadata import AttentionMetadata
+
+
+class OpTimer(Protocol):
+    """What ``KernelOps.timed`` needs: a wrapper that times every call of ``fn`` under the operator ``name``."""
+
+    def wrap(self, name: str, fn: Callable) -> Callable: ...
 
 
 @attrs.frozen
@@ -27,6 +42,102 @@ class KernelOps:
     apply_rotary: Callable = attrs.field(repr=False)
     store_kv_cache: Callable = attrs.field(repr=False)
     paged_attention: Callable = attrs.field(repr=False)
+    # The decode and prefill halves of ``paged_attention`` when it is their composition (as the reference is):
+    # a timed copy then times them apart. None for a fused kernel, which is timed as one call.
+    paged_decode_attention: Callable | None = attrs.field(repr=False, default=None)
+    paged_prefill_attention: Callable | None = attrs.field(repr=False, default=None)
+    # Projections by role: ``(x, weight, bias=None)``; ``embedding`` is ``(ids, weight)``.
+    embedding: Callable = attrs.field(repr=False, default=F.embedding)
+    qkv_proj: Callable = attrs.field(repr=False, default=F.linear)
+    o_proj: Callable = attrs.field(repr=False, default=F.linear)
+    mlp_gate_up: Callable = attrs.field(repr=False, default=F.linear)
+    mlp_down: Callable = attrs.field(repr=False, default=F.linear)
+    lm_head: Callable = attrs.field(repr=False, default=F.linear)
+
+    def timed(self, timer: OpTimer) -> KernelOps:
+        """A copy whose every op is wrapped by ``timer`` under its operator name (see ``OPERATOR_OF_FIELD``).
+
+        When attention is the composition of store, decode and prefill (the reference), the timed copy composes
+        the timed parts, so a mixed batch's attention is split into ``attention_decode`` and
+        ``attention_prefill``. A fused attention kernel runs unchanged, timed as one call: ``attention_decode``
+        for an all-decode step, else ``attention_prefill``.
+        """
+        decode, prefill = self.paged_decode_attention, self.paged_prefill_attention
+        if (decode is None or prefill is None) and self.paged_attention is attention.paged_attention:
+            decode, prefill = attention.paged_decode_attention, attention.paged_prefill_attention
+        wrapped = {field: timer.wrap(op, getattr(self, field)) for field, op in OPERATOR_OF_FIELD.items()}
+        if decode is not None and prefill is not None:
+            wrapped["paged_attention"] = compose_paged_attention(
+                wrapped["store_kv_cache"],
+                timer.wrap("attention_decode", decode),
+                timer.wrap("attention_prefill", prefill),
+            )
+        else:
+            wrapped["paged_attention"] = _timed_whole_attention(timer, self.paged_attention)
+        return attrs.evolve(self, name=f"{self.name}+timed", **wrapped)
+
+
+# The operator name each field is timed under; several fields may share one (every norm is "norm").
+# Under tensor parallelism an "all_reduce" operator will follow o_proj and mlp_down (not implemented yet).
+OPERATOR_OF_FIELD: MappingProxyType[str, str] = MappingProxyType(
+    {
+        "embedding": "embedding",
+        "rotary_cos_sin": "rotary",
+        "apply_rotary": "rotary",
+        "rms_norm": "norm",
+        "fused_add_rms_norm": "norm",
+        "qkv_proj": "qkv_proj",
+        "store_kv_cache": "kv_cache_store",
+        "o_proj": "o_proj",
+        "mlp_gate_up": "mlp_gate_up",
+        "silu_and_mul": "mlp_act",
+        "mlp_down": "mlp_down",
+        "lm_head": "lm_head",
+    }
+)
+
+
+def _timed_whole_attention(timer: OpTimer, paged_attention: Callable) -> Callable:
+    as_decode = timer.wrap("attention_decode", paged_attention)
+    as_prefill = timer.wrap("attention_prefill", paged_attention)
+
+    def timed_paged_attention(query, key, value, k_cache, v_cache, meta, scale, sliding_window=None):
+        fn = as_decode if meta.num_decodes == meta.num_seqs else as_prefill
+        return fn(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+
+    return timed_paged_attention
+
+
+def compose_paged_attention(store_kv_cache: Callable, decode: Callable, prefill: Callable) -> Callable:
+    """``paged_attention`` built from its three steps (the same algorithm as ``attention.paged_attention``)."""
+
+    def paged_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        query_lens = meta.query_lens_list or meta.query_start_loc.diff().tolist()
+        seq_lens = meta.seq_lens_list or meta.seq_lens.tolist()
+        num_decodes = meta.num_decodes
+        outs = []
+        if num_decodes:
+            outs.append(decode(query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
+                               meta.seq_lens[:num_decodes], scale, sliding_window, max(seq_lens[:num_decodes])))
+        start = num_decodes
+        for i in range(num_decodes, len(seq_lens)):
+            end = start + query_lens[i]
+            outs.append(prefill(query[start:end], key[start:end], value[start:end], k_cache, v_cache,
+                                meta.block_tables[i], seq_lens[i], scale, sliding_window))
+            start = end
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    return paged_attention
 
 
 TORCH_OPS = KernelOps(
@@ -38,6 +149,8 @@ TORCH_OPS = KernelOps(
     apply_rotary=rotary.apply_rotary,
     store_kv_cache=attention.store_kv_cache,
     paged_attention=attention.paged_attention,
+    paged_decode_attention=attention.paged_decode_attention,
+    paged_prefill_attention=attention.paged_prefill_attention,
 )
 
 _OPS_BY_DEVICE_TYPE = MappingProxyType({"cpu": TORCH_OPS, "cuda": TORCH_OPS})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from events import Actor, handles
-from events.messages import AbortRequest, AddRequest, TokensOut
+from events.messages import AbortRequest, AddRequests, TokensOut
 from ksana.output_processor import SequenceStream
 from ksana.request import InferRequest
 
@@ -24,8 +24,7 @@ class OfflineIOActor(Actor):
             self.all_done.set()
 
     async def submit(self, requests: list[InferRequest]) -> None:
-        for request in requests:
-            await self.send(AddRequest(request))
+        await self.send(AddRequests(tuple(requests)))
 
     @handles(TokensOut)
     async def on_tokens(self, msg: TokensOut) -> None:

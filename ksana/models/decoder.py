@@ -4,21 +4,30 @@ Families differ only in biases and per-layer sliding windows, which subclasses s
 ``DecoderForCausalLM._biases`` and the config (``ModelShape.sliding_windows``). Parameters are created empty on
 the target device in the target dtype and filled by the loader; q/k/v and gate/up are fused into one matmul
 each. Every op goes through the ``KernelOps`` picked for the device.
+
+Two perf-mode hooks (``set_profiler``, ``set_layer_forward_round``) cost nothing when unused: profiling swaps
+timed ``KernelOps`` into every module instead of testing a flag per op, and the layer loop only reads two
+attributes per layer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import KernelOps, get_ops
+from kernels.dispatch import KernelOps, OpTimer, get_ops
 from ksana.models.base import CausalLM, WeightSlot
 from ksana.models.shape import ModelShape
 from ksana.worker.attention_metadata import AttentionMetadata
+
+
+class OpProfiler(OpTimer, Protocol):
+    """A ``KernelOps`` timer that also attributes ops to the decoder layer running them."""
+
+    layer: int | None
 
 
 @attrs.frozen
@@ -96,7 +105,7 @@ class DecoderAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = self.ops.qkv_proj(hidden, self.qkv_weight, self.qkv_bias)
         # Rotate query and key heads together: they are adjacent in the fused output.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
         qk = self.ops.apply_rotary(qk, cos, sin)
@@ -105,7 +114,7 @@ class DecoderAttention(nn.Module):
         out = self.ops.paged_attention(
             query, key, value, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return self.ops.o_proj(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
 
 
 class DecoderMLP(nn.Module):
@@ -132,8 +141,8 @@ class DecoderMLP(nn.Module):
         return slots
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(hidden, self.gate_up_weight, self.gate_up_bias)
-        return F.linear(self.ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        gate_up = self.ops.mlp_gate_up(hidden, self.gate_up_weight, self.gate_up_bias)
+        return self.ops.mlp_down(self.ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -196,7 +205,7 @@ class DecoderForCausalLM(CausalLM):
         super().__init__()
         device = torch.device(device)
         self.shape = ModelShape.from_hf_config(config, dtype, eos_token_ids)
-        self.ops = get_ops(device)
+        self.ops = self.plain_ops = get_ops(device)
         self.eps = float(config.rms_norm_eps)
         biases = self._biases(config)
         shape = self.shape
@@ -211,6 +220,8 @@ class DecoderForCausalLM(CausalLM):
         )
         inv_freq, self.attention_scaling = rope_from_hf_config(config, device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.profiler: OpProfiler | None = None
+        self.layer_forward_round = 1
 
     @classmethod
     def _biases(cls, config: Any) -> Biases:
@@ -235,6 +246,23 @@ class DecoderForCausalLM(CausalLM):
         self.tied = True
         self.lm_head_weight = self.embed_weight
 
+    # ---- perf-mode hooks ------------------------------------------------------------------------------------
+    def set_profiler(self, profiler: OpProfiler | None) -> None:
+        """Time every op through ``profiler`` (its ``layer`` is set to the running layer's index, None outside
+        the layers); ``None`` restores the plain kernels."""
+        ops = self.plain_ops if profiler is None else self.plain_ops.timed(profiler)
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = layer.self_attn.ops = layer.mlp.ops = ops
+        self.profiler = profiler
+
+    def set_layer_forward_round(self, num_rounds: int) -> None:
+        """Run each decoder layer ``num_rounds`` times per forward (KsanaLLM's ``layer_forward_round``): the cost
+        of a model that deep, with the same outputs, since every repeat recomputes the layer on the same input."""
+        if num_rounds < 1:
+            raise ValueError(f"layer_forward_round must be at least 1, got {num_rounds}")
+        self.layer_forward_round = num_rounds
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -242,13 +270,20 @@ class DecoderForCausalLM(CausalLM):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_weight)
+        hidden = self.ops.embedding(input_ids, self.embed_weight)
         cos, sin = self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        profiler, num_repeats = self.profiler, self.layer_forward_round - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if profiler is not None:
+                profiler.layer = index
+            for _ in range(num_repeats):
+                layer(hidden, residual, cos, sin, kv_cache, meta)
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        if profiler is not None:
+            profiler.layer = None
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm_weight, self.eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.ops.lm_head(hidden, self.lm_head_weight).float()

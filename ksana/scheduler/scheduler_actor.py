@@ -13,6 +13,7 @@ from events import Actor, handles
 from events.messages import (
     AbortRequest,
     AddRequest,
+    AddRequests,
     AllocateStepBlocks,
     ExecuteStep,
     FreeRequestBlocks,
@@ -44,13 +45,23 @@ class SchedulerActor(Actor):
 
     @handles(AddRequest)
     async def on_add(self, msg: AddRequest) -> None:
-        request = msg.request
-        if request.arrival_time == 0.0:
-            request.arrival_time = self._now()
-        rejection = self.scheduler.add_request(request)
-        if rejection is not None:
-            await self.send(self._tokens_out((rejection,)))
-            return
+        await self._admit((msg.request,))
+
+    @handles(AddRequests)
+    async def on_add_many(self, msg: AddRequests) -> None:
+        """Requests that arrive together are all queued before the next plan, so they can share one step."""
+        await self._admit(msg.requests)
+
+    async def _admit(self, requests) -> None:
+        rejections = []
+        for request in requests:
+            if request.arrival_time == 0.0:
+                request.arrival_time = self._now()
+            rejection = self.scheduler.add_request(request)
+            if rejection is not None:
+                rejections.append(rejection)
+        if rejections:
+            await self.send(self._tokens_out(tuple(rejections)))
         await self._maybe_start_step()
 
     @handles(AbortRequest)
