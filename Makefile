@@ -6,7 +6,7 @@ STAMP := $(VENV)/.ksana-installed
 # Pinned: an unpinned torch would pull a multi-GB CUDA build; 2.13.0 is the CPU wheel on this machine's disk.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: serve test lint bench install clean
+.PHONY: serve test bench gpu-check install clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py
+
+# On a CUDA machine: the kernel tests natively (no interpreter) and bench/kernels.py, as one table.
+gpu-check: $(STAMP)
+	bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV)

@@ -153,9 +153,16 @@ TORCH_OPS = KernelOps(
     paged_prefill_attention=attention.paged_prefill_attention,
 )
 
-_OPS_BY_DEVICE_TYPE = MappingProxyType({"cpu": TORCH_OPS, "cuda": TORCH_OPS})
+_OPS_BY_DEVICE_TYPE = MappingProxyType({"cpu": TORCH_OPS})
 
 
 def get_ops(device: str | torch.device) -> KernelOps:
-    """Kernels for ``device``; device types without a dedicated entry use the torch path."""
-    return _OPS_BY_DEVICE_TYPE.get(torch.device(device).type, TORCH_OPS)
+    """CUDA → Triton kernels (when triton is installed), NPU → torch-npu's fused ops, anything else → torch."""
+    from kernels import backends  # lazy: backends imports this module; triton/torch_npu load only on demand
+
+    device_type = torch.device(device).type
+    if device_type == "cuda" and backends.is_triton_available():
+        return backends.triton_ops()
+    if device_type == "npu":
+        return backends.npu_ops()
+    return _OPS_BY_DEVICE_TYPE.get(device_type, TORCH_OPS)

@@ -1,0 +1,375 @@
+"""Kernel benchmark: each Triton kernel against its torch reference, against the device's measured ceilings.
+
+    python bench/kernels.py              # CUDA: Triton and torch; elsewhere: the torch references only
+    python bench/kernels.py --quick      # shapes 8x smaller, fewer repeats: checks the script
+
+The ceilings are measured here, not quoted from a datasheet: a large device-to-device copy (bytes read plus
+bytes written per second) and a large matmul in the benchmark dtype. Memory-bound ops report the bandwidth of
+the bytes they must move at least once (inputs read, outputs written; for decode attention the visible K/V);
+prefill attention reports FLOP/s of its QK^T and PV products over the visible (causal, windowed) pairs.
+``% ceil`` is the fastest implementation's share of the matching ceiling. Shapes are Llama-3-8B-like (32 query
+heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 14336, 16-token blocks).
+
+Without CUDA the Triton kernels are not timed: the CPU can only run them in Triton's interpreter, which is
+four orders of magnitude slower than any real kernel, so its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import orjson
+import torch
+
+# The repository root goes first: this script's directory (sys.path[0]) would make `kernels` mean this file.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kernels import activation, attention, norm, rotary  # noqa: E402
+from ksana.worker.attention_metadata import AttentionMetadata  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+HIDDEN, INTERMEDIATE, BLOCK_SIZE = 4096, 14336, 16
+
+
+@attrs.frozen
+class Case:
+    """One op at one shape: the reference and (on CUDA) the Triton call, and the work each call must do."""
+
+    op: str
+    shape: str
+    reference: Callable[[], object]
+    triton: Callable[[], object] | None
+    bytes: float = 0.0  # bytes the op must move (memory-bound ops)
+    flops: float = 0.0  # FLOPs of the op (compute-bound ops)
+
+
+# ---- timing ----
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, min_seconds: float, max_reps: int) -> float:
+    """Median milliseconds of one call, after a warmup call (which also compiles Triton kernels)."""
+    fn()
+    _sync(device)
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    once = time.perf_counter() - started
+    reps = max(3, min(max_reps, int(min_seconds / max(once, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(samples)
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> dict[str, float]:
+    """Copy bandwidth (GB/s) and matmul throughput (TFLOP/s) this device reaches with plain torch."""
+    on_gpu = device.type == "cuda"
+    num_bytes = (2 << 30 if on_gpu else 256 << 20) // (8 if quick else 1)
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), device, 0.3, 50)
+    n = (8192 if on_gpu else 2048) // (2 if quick else 1)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    matmul_ms = time_ms(lambda: a @ b, device, 0.3, 50)
+    return {
+        "copy_gb_s": 2 * num_bytes / copy_ms / 1e6,
+        "matmul_tflop_s": 2 * n**3 / matmul_ms / 1e9,
+        "copy_bytes": num_bytes,
+        "matmul_n": n,
+    }
+
+
+# ---- cases ----
+
+
+def _paged_batch(rows: list[tuple[int, int]], device: torch.device, dtype: torch.dtype):
+    """Cache with room for ``rows`` ``(q_len, seq_len)``, fresh q/k/v for the new tokens, and the metadata."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    blocks = [-(-s // BLOCK_SIZE) for _, s in rows]
+    perm = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()  # scattered blocks; 0 is table padding
+    tables, slots, start = [], [], 0
+    for (q_len, seq_len), n in zip(rows, blocks, strict=True):
+        table = perm[start : start + n]
+        start += n
+        tables.append(table + [0] * (max(blocks) - n))
+        slots += [
+            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len - q_len, seq_len)
+        ]
+    cache_shape = (sum(blocks) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(cache_shape, device=device).to(dtype)
+    v_cache = torch.randn(cache_shape, device=device).to(dtype)
+    num_tokens = sum(q for q, _ in rows)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, device=device).to(dtype)
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=device).to(dtype)
+    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=device).to(dtype)
+    query_lens, seq_lens = [q for q, _ in rows], [s for _, s in rows]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], device=device),
+        seq_lens=torch.tensor(seq_lens, device=device),
+        block_tables=torch.tensor(tables, device=device),
+        block_size=BLOCK_SIZE,
+        num_decodes=sum(1 for q in query_lens if q == 1),
+        max_seq_len=max(seq_lens),
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+    )
+    return query, key, value, k_cache, v_cache, meta
+
+
+def _visible_pairs(q_len: int, seq_len: int, window: int | None) -> int:
+    """(query, key) pairs a causal, optionally windowed, attention computes for one sequence."""
+    context = seq_len - q_len
+    return sum(min(context + i + 1, window or seq_len) for i in range(q_len))
+
+
+def build_cases(device: torch.device, dtype: torch.dtype, quick: bool, with_triton: bool) -> list[Case]:
+    tr = None
+    if with_triton:
+        from kernels.triton import activation as t_activation
+        from kernels.triton import attention as t_attention
+        from kernels.triton import cache as t_cache
+        from kernels.triton import norm as t_norm
+        from kernels.triton import rotary as t_rotary
+
+        tr = {
+            "rms_norm": t_norm.rms_norm,
+            "fused_add_rms_norm": t_norm.fused_add_rms_norm,
+            "apply_rotary": t_rotary.apply_rotary,
+            "silu_and_mul": t_activation.silu_and_mul,
+            "store_kv_cache": t_cache.store_kv_cache,
+            "paged_decode_attention": t_attention.paged_decode_attention,
+            "paged_attention": t_attention.paged_attention,
+        }
+    div = 8 if quick else 1
+    if device.type != "cuda":
+        div *= 4  # the CPU references are slow: keep a run to a minute
+    es = torch.empty(0, dtype=dtype).element_size()
+    randn = lambda *shape: torch.randn(*shape, device=device).to(dtype)  # noqa: E731
+    cases: list[Case] = []
+
+    def add(op: str, shape: str, args: tuple, ref_fn: Callable, num_bytes: float = 0.0, flops: float = 0.0):
+        triton_fn = tr[op] if tr else None
+        cases.append(
+            Case(
+                op,
+                shape,
+                lambda: ref_fn(*args),
+                (lambda: triton_fn(*args)) if triton_fn else None,
+                num_bytes,
+                flops,
+            )
+        )
+
+    tokens = 8192 // div
+    x, residual, weight = randn(tokens, HIDDEN), randn(tokens, HIDDEN), randn(HIDDEN)
+    add("rms_norm", f"{tokens}x{HIDDEN}", (x, weight, 1e-5), norm.rms_norm, 2 * x.numel() * es)
+    add(
+        "fused_add_rms_norm",
+        f"{tokens}x{HIDDEN}",
+        (x, residual, weight, 1e-5),
+        norm.fused_add_rms_norm,
+        4 * x.numel() * es,
+    )
+
+    qkv = randn(tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
+    qk = qkv[:, : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(tokens, NUM_HEADS + NUM_KV_HEADS, HEAD_DIM)
+    inv_freq = 1.0 / (
+        500000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32, device=device) / HEAD_DIM)
+    )
+    positions = torch.arange(tokens, device=device)
+    for is_neox, layout in ((True, "neox"), (False, "gptj")):
+        cos, sin = rotary.rotary_cos_sin(positions, inv_freq, 1.0, dtype, is_neox)
+        add(
+            "apply_rotary",
+            f"{tokens}x{NUM_HEADS + NUM_KV_HEADS}x{HEAD_DIM} {layout}",
+            (qk, cos, sin, is_neox),
+            rotary.apply_rotary,
+            (2 * qk.numel() + 2 * cos.numel()) * es,
+        )
+
+    gate_up = randn(tokens, 2 * INTERMEDIATE)
+    add(
+        "silu_and_mul",
+        f"{tokens}x{2 * INTERMEDIATE}",
+        (gate_up,),
+        activation.silu_and_mul,
+        1.5 * gate_up.numel() * es,
+    )
+
+    kv_shape = (tokens, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(
+        tokens // BLOCK_SIZE + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=dtype
+    )
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(tokens, device=device)
+    add(
+        "store_kv_cache",
+        f"{tokens} tokens",
+        (randn(*kv_shape), randn(*kv_shape), k_cache, v_cache, slots),
+        attention.store_kv_cache,
+        4 * tokens * NUM_KV_HEADS * HEAD_DIM * es,
+    )
+
+    scale = HEAD_DIM**-0.5
+    for batch, context, window in ((64 // div, 4096, None), (64 // div, 8192 // min(div, 4), 1024)):
+        rows = [(1, context)] * batch
+        query, _, _, k_cache, v_cache, meta = _paged_batch(rows, device, dtype)
+        visible = min(context, window or context)
+        add(
+            "paged_decode_attention",
+            f"b{batch} ctx{context}" + (f" win{window}" if window else ""),
+            (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, context),
+            attention.paged_decode_attention,
+            2 * batch * visible * NUM_KV_HEADS * HEAD_DIM * es,
+        )
+    for rows, window, label in (
+        ([(2048 // div, 2048 // div)] * 4, None, "4 fresh prompts"),
+        ([(512 // div, 4096 // div)] * 8, None, "8 chunks over a prefix"),
+        ([(2048 // div, 4096 // div)] * 2, 512, "2 chunks, window 512"),
+    ):
+        query, key, value, k_cache, v_cache, meta = _paged_batch(rows, device, dtype)
+        pairs = sum(_visible_pairs(q, s, window) for q, s in rows)
+        add(
+            "paged_attention",
+            f"{label}: q{rows[0][0]} seq{rows[0][1]}",
+            (query, key, value, k_cache, v_cache, meta, scale, window),
+            attention.paged_attention,
+            flops=4.0 * NUM_HEADS * HEAD_DIM * pairs,
+        )
+    return cases
+
+
+def _max_error(a: object, b: object) -> float:
+    if a is None or b is None:
+        return 0.0
+    if isinstance(a, tuple):
+        return max(_max_error(x, y) for x, y in zip(a, b, strict=True))
+    return float((a.float() - b.float()).abs().max())
+
+
+# ---- main ----
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="8x smaller shapes and fewer repeats")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
+    parser.add_argument("--out", default=str(RESULTS / "kernels.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    with_triton = device.type == "cuda"
+    if with_triton:
+        os.environ.pop("TRITON_INTERPRET", None)
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+        print(
+            "No CUDA device: timing the torch references only (Triton's CPU interpreter is not a benchmark)."
+        )
+    min_seconds, max_reps = (0.05, 10) if args.quick else (0.3, 100)
+
+    ceilings = measure_ceilings(device, dtype, args.quick)
+    print(
+        f"{device_name}, {str(dtype).removeprefix('torch.')}: copy {ceilings['copy_gb_s']:.0f} GB/s, "
+        f"matmul {ceilings['matmul_tflop_s']:.4g} TFLOP/s"
+    )
+    results = []
+    with torch.inference_mode():
+        for case in build_cases(device, dtype, args.quick, with_triton):
+            ref_ms = time_ms(case.reference, device, min_seconds, max_reps)
+            tri_ms = time_ms(case.triton, device, min_seconds, max_reps) if case.triton else None
+            error = _max_error(case.reference(), case.triton()) if case.triton else None
+            best_ms = min(ref_ms, tri_ms) if tri_ms is not None else ref_ms
+            if case.flops:
+                achieved, unit = case.flops / best_ms / 1e9, "TFLOP/s"
+                ceiling = ceilings["matmul_tflop_s"]
+            else:
+                achieved, unit = case.bytes / best_ms / 1e6, "GB/s"
+                ceiling = ceilings["copy_gb_s"]
+            results.append(
+                {
+                    "op": case.op,
+                    "shape": case.shape,
+                    "torch_ms": ref_ms,
+                    "triton_ms": tri_ms,
+                    "speedup": ref_ms / tri_ms if tri_ms else None,
+                    "achieved": achieved,
+                    "unit": unit,
+                    "ceiling_fraction": achieved / ceiling,
+                    "max_abs_error": error,
+                }
+            )
+
+    header = (
+        f"{'op':<24}{'shape':<40}{'torch ms':>10}{'triton ms':>11}{'speedup':>9}{'achieved':>18}{'% ceil':>8}"
+    )
+    print("\n" + header + f"{'max err':>10}")
+    for r in results:
+        tri = (
+            f"{r['triton_ms']:>11.3f}{r['speedup']:>8.2f}x"
+            if r["triton_ms"] is not None
+            else f"{'-':>11}{'-':>9}"
+        )
+        err = f"{r['max_abs_error']:>10.2e}" if r["max_abs_error"] is not None else f"{'-':>10}"
+        print(
+            f"{r['op']:<24}{r['shape']:<40}{r['torch_ms']:>10.3f}{tri}"
+            f"{r['achieved']:>10.4g} {r['unit']:<7}{100 * r['ceiling_fraction']:>7.0f}%{err}"
+        )
+    report = {
+        "device": device_name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "triton_timed": with_triton,
+        "torch": torch.__version__,
+        "triton": _triton_version() if with_triton else None,
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "ceilings": ceilings,
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"\nwrote {out}")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Builders for the non-reference ``KernelOps`` sets: Triton (CUDA) and torch-npu (Ascend).
+
+Kept apart from ``kernels.dispatch`` so that importing the dispatch layer never imports ``triton`` or
+``torch_npu``: each builder imports its backend only when first called, and caches the result.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+from kernels import attention, rotary
+from kernels.dispatch import KernelOps
+
+
+@functools.cache
+def is_triton_available() -> bool:
+    """``triton`` is installed (it is not on every platform; without it CUDA uses the torch path)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def triton_ops() -> KernelOps:
+    """Triton kernels for every op except ``rotary_cos_sin`` (computed once per forward pass, left to torch).
+
+    ``paged_attention`` is one store, one decode and one variable-length prefill launch, not the reference's
+    per-sequence composition, so its halves are left unset: a timed copy (``KernelOps.timed``) times the
+    launches that really run, as one call.
+    """
+    from kernels.triton import activation, cache, norm
+    from kernels.triton import attention as triton_attention
+    from kernels.triton import rotary as triton_rotary
+
+    return KernelOps(
+        name="triton",
+        rms_norm=norm.rms_norm,
+        fused_add_rms_norm=norm.fused_add_rms_norm,
+        silu_and_mul=activation.silu_and_mul,
+        rotary_cos_sin=rotary.rotary_cos_sin,
+        apply_rotary=triton_rotary.apply_rotary,
+        store_kv_cache=cache.store_kv_cache,
+        paged_attention=triton_attention.paged_attention,
+    )
+
+
+@functools.cache
+def npu_ops() -> KernelOps:
+    """torch-npu's fused norm, rotary and SwiGLU; the reference for the rest (see ``kernels.npu``)."""
+    from kernels import npu
+
+    return KernelOps(
+        name="npu" if npu.torch_npu is not None else "npu-reference",
+        rms_norm=npu.rms_norm,
+        fused_add_rms_norm=npu.fused_add_rms_norm,
+        silu_and_mul=npu.silu_and_mul,
+        rotary_cos_sin=rotary.rotary_cos_sin,
+        apply_rotary=npu.apply_rotary,
+        store_kv_cache=attention.store_kv_cache,
+        paged_attention=attention.paged_attention,
+        paged_decode_attention=attention.paged_decode_attention,
+        paged_prefill_attention=attention.paged_prefill_attention,
+    )
