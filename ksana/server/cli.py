@@ -1,15 +1,92 @@
-"""``ksana serve``: its argument parser and entry point (filled in by the server issue)."""
+"""``ksana serve`` (the OpenAI-compatible server) and ``ksana bench serve`` (its load generator)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+# YAML keys beyond the shared config flags, as ``--flag`` -> config leaf name.
+_EXTRA_CONFIG_FLAGS = {
+    "max_token_len": int,
+    "max_waiting_queue_len": int,
+    "waiting_timeout_in_ms": int,
+    "block_device_memory_ratio": float,
+    "num_threads": int,
+}
 
 
 def add_serve_parser(subparsers, add_config_flags) -> None:
-    serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible API (not implemented yet)")
+    serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible API and KsanaLLM's /generate")
     add_config_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: the --model value)")
+    serve.add_argument("--api-key", default=os.environ.get("KSANA_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $KSANA_API_KEY, else no key)")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"])
+    for name, kind in _EXTRA_CONFIG_FLAGS.items():
+        serve.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     serve.set_defaults(func=_cmd_serve)
+    _add_bench_parser(subparsers)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    raise NotImplementedError("ksana serve is not implemented yet")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ksana.cli import config_overrides
+    from ksana.config import load_config
+    from ksana.engine import InferenceEngine
+    from ksana.server.serve import ServeOptions, run
+
+    overrides = config_overrides(args) | {name: getattr(args, name) for name in _EXTRA_CONFIG_FLAGS}
+    config = load_config(args.config, model_dir=args.model, device=args.device, **overrides)
+    engine = InferenceEngine(config)
+    options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                           api_key=args.api_key or None)
+
+    def on_ready(ctx, url: str) -> None:
+        print(f"Ksana serving {ctx.served_model_name} at {url}", flush=True)
+
+    try:
+        run(engine, options, on_ready)
+    except BaseException as exc:
+        error = _first(exc, OSError)
+        if error is None:
+            raise
+        print(f"ksana: error: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _first(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` in an exception (group) tree: trio reports a failed bind inside nursery groups."""
+    if isinstance(exc, kind):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = _first(inner, kind)
+        if found is not None:
+            return found
+    return None
+
+
+def _add_bench_parser(subparsers) -> None:
+    """``ksana bench serve``: the load generator in ``bench/serve.py`` (needs the source tree, where bench/ is)."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
+    if not script.is_file():
+        return
+    bench = subparsers.add_parser("bench", help="benchmarks (from the source tree's bench/)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    module = _load_bench_module(script)
+    serve = bench_sub.add_parser("serve", help="online load generator against a running server (vLLM's metrics)")
+    module.add_arguments(serve)
+    serve.set_defaults(func=lambda args: module.run(args))
+
+
+def _load_bench_module(script: Path):
+    spec = importlib.util.spec_from_file_location("ksana_bench_serve", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,72 @@
+"""Prometheus metrics under KsanaLLM's names, in a registry private to one server.
+
+Request metrics are observed by the I/O actor as deltas arrive (it sees every token of every request); the
+scheduler gauges come with each ``TokensOut``; the cache gauges are read from the cache manager through a
+``GetCacheStats`` request at scrape time, so ``/metrics`` shows the block counts as they are now (the tests use them
+to see an aborted request's blocks come back). Counters carry Prometheus' ``_total`` sample suffix
+(``forward_req_total_num_total``); the metric family keeps KsanaLLM's name.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.exposition import generate_latest
+
+from events.messages import CacheStats
+
+disable_created_metrics()  # the *_created series only double the scrape size
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_US_BUCKETS = (500, 1e3, 2.5e3, 5e3, 1e4, 2.5e4, 5e4, 1e5, 2.5e5, 5e5, 1e6, 2.5e6, 5e6, 1e7, 3e7, 6e7, 3e8)
+_LEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.time_to_first_token_us = Histogram(
+            "time_to_first_token_us", "Arrival to first output token, microseconds", buckets=_US_BUCKETS, registry=r)
+        self.inter_token_interval_latency_us = Histogram(
+            "inter_token_interval_latency_us", "Gap between consecutive output tokens of a request, microseconds",
+            buckets=_US_BUCKETS, registry=r)
+        self.total_latency_us = Histogram(
+            "total_latency_us", "Arrival to finish of a request, microseconds", buckets=_US_BUCKETS, registry=r)
+        self.input_token_len = Histogram(
+            "input_token_len", "Prompt tokens per request", buckets=_LEN_BUCKETS, registry=r)
+        self.output_token_len = Histogram(
+            "output_token_len", "Output tokens per finished request", buckets=_LEN_BUCKETS, registry=r)
+        self.forward_req_total_num = Counter(
+            "forward_req_total_num", "Requests sent to the engine (each parallel sample and beam step counts)",
+            registry=r)
+        self.forward_req_aborted_num = Counter(
+            "forward_req_aborted_num", "Requests aborted (client gone, shutdown)", registry=r)
+        self.forward_req_error_num = Counter(
+            "forward_req_error_num", "Requests rejected or failed (queue full, timeout, bad prompt)", registry=r)
+        self.forward_req_timeout_num = Counter(
+            "forward_req_timeout_num", "Requests rejected after waiting_timeout_in_ms", registry=r)
+        self.prefix_cache_hit_req_num = Counter(
+            "prefix_cache_hit_req_num", "Requests whose prompt hit the prefix cache", registry=r)
+        self.prefix_cache_hit_token_num = Counter(
+            "prefix_cache_hit_token_num", "Prompt tokens served from the prefix cache", registry=r)
+        self.batch_scheduler_batch_size = Gauge(
+            "batch_scheduler_batch_size", "Running requests after the latest step", registry=r)
+        self.batch_scheduler_waiting_size = Gauge(
+            "batch_scheduler_waiting_size", "Waiting requests after the latest step", registry=r)
+        self.block_manager_total_block_num = Gauge(
+            "block_manager_total_block_num", "KV cache blocks in the pool", registry=r)
+        self.block_manager_free_block_num = Gauge(
+            "block_manager_free_block_num", "Free KV cache blocks", registry=r)
+        self.block_manager_used_block_num = Gauge(
+            "block_manager_used_block_num", "KV cache blocks held by requests", registry=r)
+        self.block_manager_request_num = Gauge(
+            "block_manager_request_num", "Requests holding KV cache blocks", registry=r)
+
+    def set_cache_stats(self, stats: CacheStats) -> None:
+        self.block_manager_total_block_num.set(stats.num_total_blocks)
+        self.block_manager_free_block_num.set(stats.num_free_blocks)
+        self.block_manager_used_block_num.set(stats.num_used_blocks)
+        self.block_manager_request_num.set(stats.num_requests_with_blocks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

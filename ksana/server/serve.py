@@ -1,0 +1,106 @@
+"""One process, one trio run: hypercorn's trio worker serves the app while the engine's event loop steps.
+
+Shutdown (SIGINT or SIGTERM): the I/O actor refuses new requests and tells every open stream to end with an error
+chunk (their requests are aborted, so the scheduler stops working on them), hypercorn stops accepting and waits for
+those responses to finish (``graceful_timeout`` at most), then the event loop stops after the step in hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from functools import partial
+
+import attrs
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from ksana.engine import InferenceEngine
+from ksana.server.app import build_app
+from ksana.server.context import ServerContext
+from ksana.server.io_actor import ServerIOActor
+from ksana.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0: any free port (the printed URL names it)
+    served_model_name: str | None = None  # default: the --model value
+    api_key: str | None = None
+    graceful_timeout_s: float = 3.0  # how long open responses get to end after a signal
+    keep_alive_timeout_s: float = 5.0
+
+
+def build_context(engine: InferenceEngine, options: ServeOptions) -> ServerContext:
+    metrics = ServerMetrics()
+    tokenization = engine.config.setting.tokenization
+    return ServerContext(
+        io=ServerIOActor(metrics),
+        metrics=metrics,
+        tokenizer=engine.tokenizer,
+        served_model_name=options.served_model_name or engine.config.model_spec.base_model.model_dir,
+        model_dir=engine.model_dir,
+        max_token_len=engine.scheduler.max_token_len,
+        vocab_size=engine.shape.vocab_size,
+        eos_token_ids=engine.eos_token_ids,
+        add_special_tokens=tokenization.add_special_tokens,
+        skip_special_tokens=tokenization.skip_special_tokens,
+        api_key=options.api_key,
+    )
+
+
+def _bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(engine: InferenceEngine, options: ServeOptions,
+                on_ready: Callable[[ServerContext, str], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; ``on_ready(ctx, url)`` runs once the socket listens."""
+    ctx = build_context(engine, options)
+    app = build_app(ctx)
+    config = HypercornConfig()
+    config.bind = [_bind(options.host, options.port)]
+    config.graceful_timeout = options.graceful_timeout_s
+    config.keep_alive_timeout = options.keep_alive_timeout_s
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, not a second handler
+    stop = trio.Event()
+    loop = engine.build_loop(ctx.io)
+    async with loop.running():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_watch_signals, ctx, stop, nursery.cancel_scope)
+
+            async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+                await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
+                nursery.cancel_scope.cancel()  # the HTTP side is done: stop watching signals
+
+            binds = await nursery.start(run_http)
+            url = binds[0] if binds else f"http://{config.bind[0]}"
+            logger.info("serving %s at %s", ctx.served_model_name, url)
+            if on_ready is not None:
+                on_ready(ctx, url)
+    logger.info("server stopped")
+
+
+async def _watch_signals(ctx: ServerContext, stop: trio.Event, cancel_scope: trio.CancelScope,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if stop.is_set():
+                logger.warning("%s again: stopping now", name)
+                cancel_scope.cancel()
+                return
+            num_open = ctx.io.begin_shutdown()
+            logger.info("%s: shutting down (%d open responses end with an error)", name, num_open)
+            stop.set()
+
+
+def run(engine: InferenceEngine, options: ServeOptions,
+        on_ready: Callable[[ServerContext, str], None] | None = None) -> None:
+    trio.run(partial(serve, engine, options, on_ready))
