@@ -73,10 +73,20 @@ class TokensOut:
 # ---- scheduler <-> cache manager --------------------------------------------------------------------------------
 @attrs.frozen
 class BlockDemand:
-    """Request ``request_id`` needs room for ``num_tokens`` tokens in total after this step."""
+    """Request ``request_id`` needs room for ``num_tokens`` tokens in total after this step.
+
+    With the prefix cache, the demand also tells the cache manager which blocks are full after the step: its
+    ``token_ids`` are the request's tokens the manager has not seen yet, and every block inside ``num_tokens`` is
+    filled by the step. ``match_prefix`` marks a request holding no blocks (new or preempted): the manager matches
+    its prefix first and ``num_tokens`` then counts from the matched tokens (the reply's ``num_cached_tokens``).
+    ``num_remote_loaded_blocks`` (>= 0) reports the worker's result of this request's remote load.
+    """
 
     request_id: str
     num_tokens: int
+    token_ids: tuple[int, ...] = ()
+    match_prefix: bool = False
+    num_remote_loaded_blocks: int = -1
 
 
 @attrs.frozen
@@ -98,6 +108,30 @@ class StepBlocks:
     block_tables: dict[str, tuple[int, ...]]
     refused: tuple[str, ...]
     num_free_blocks: int
+    # Prefix cache only: per granted demand, its SWA block table (-1: outside the window, never read) ...
+    swa_block_tables: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
+    # ... the matched tokens of each ``match_prefix`` demand (its ``num_computed_tokens`` starts there) ...
+    num_cached_tokens: dict[str, int] = attrs.field(factory=dict)
+    # ... requests that load remote blocks this step instead of computing, and blocks to write to the store.
+    remote_loads: tuple[RemoteLoad, ...] = ()
+    remote_saves: tuple[RemoteBlock, ...] = ()
+
+
+@attrs.frozen
+class RemoteBlock:
+    """One block of the remote store: its hash-chain key and where its KV lives (-1: no SWA block)."""
+
+    block_hash: int
+    fa_block_id: int
+    swa_block_id: int = -1
+
+
+@attrs.frozen
+class RemoteLoad:
+    """Load ``blocks`` (consecutive prefix blocks) of ``request_id`` from the remote store into their blocks."""
+
+    request_id: str
+    blocks: tuple[RemoteBlock, ...]
 
 
 @attrs.frozen
@@ -118,6 +152,12 @@ class CacheStats:
     num_free_blocks: int
     block_size: int
     num_requests_with_blocks: int
+    # Prefix cache counters (KsanaLLM's metric names); zero without the cache.
+    prefix_cache_hit_req_num: int = 0
+    prefix_cache_hit_token_num: int = 0
+    prefix_cache_hit_block_num: int = 0
+    full_prompt_matched_req_num: int = 0
+    num_cached_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -145,6 +185,7 @@ class ScheduledRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     banned_token_ids: tuple[int, ...] = ()
+    swa_block_ids: tuple[int, ...] = ()  # sliding-window layers' blocks (prefix cache on an SWA model)
 
     @property
     def num_new_tokens(self) -> int:
@@ -159,6 +200,8 @@ class ScheduledRow:
 class StepPlan:
     step_id: int
     rows: tuple[ScheduledRow, ...]
+    remote_loads: tuple[RemoteLoad, ...] = ()  # before the forward pass
+    remote_saves: tuple[RemoteBlock, ...] = ()  # after it (the blocks this step fills)
 
     @property
     def num_tokens(self) -> int:
@@ -191,3 +234,4 @@ class StepResult:
     step_id: int
     sampled: dict[str, SampledToken]
     timings: StepTimings = StepTimings()
+    remote_loaded: dict[str, int] = attrs.field(factory=dict)  # per remote load: consecutive blocks loaded

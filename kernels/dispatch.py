@@ -78,7 +78,7 @@ class KernelOps:
 
 
 # The operator name each field is timed under; several fields may share one (every norm is "norm").
-# Under tensor parallelism an "all_reduce" operator will follow o_proj and mlp_down (not implemented yet).
+# Under tensor parallelism an "all_reduce" operator follows o_proj and mlp_down (see ksana/models/parallel.py).
 OPERATOR_OF_FIELD: MappingProxyType[str, str] = MappingProxyType(
     {
         "embedding": "embedding",

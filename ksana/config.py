@@ -47,6 +47,10 @@ class BlockManagerSetting:
     # Fraction of the memory left after loading the weights that the KV pool takes.
     block_device_memory_ratio: float = 0.2
     num_device_blocks: int = 0  # > 0: exactly this many KV blocks, overriding the ratio
+    # Prefix cache on a sliding-window model: blocks of the SWA layers' pool (0: as many as the FA pool).
+    num_swa_blocks: int = 0
+    # Remote cache loading: a directory shared by engines ("" = off); needs enable_auto_prefix_cache.
+    remote_cache_dir: str = ""
 
 
 @attrs.define(kw_only=True)
@@ -172,6 +176,9 @@ def _validate(config: KsanaConfig) -> KsanaConfig:
         (0 < b.block_device_memory_ratio <= 1, "setting.block_manager.block_device_memory_ratio", "must be in (0, 1]"),
         (0 <= b.reserved_device_memory_ratio < 1, "setting.block_manager.reserved_device_memory_ratio", "must be in [0, 1)"),
         (b.num_device_blocks >= 0, "setting.block_manager.num_device_blocks", "must be non-negative"),
+        (b.num_swa_blocks >= 0, "setting.block_manager.num_swa_blocks", "must be non-negative"),
+        (not b.remote_cache_dir or s.enable_auto_prefix_cache, "setting.block_manager.remote_cache_dir",
+         "needs setting.batch_scheduler.enable_auto_prefix_cache"),
         (s.max_batch_size >= 1, "setting.batch_scheduler.max_batch_size", "must be at least 1"),
         (s.max_step_tokens >= 1, "setting.batch_scheduler.max_step_tokens", "must be at least 1"),
         (s.max_token_len >= 0, "setting.batch_scheduler.max_token_len", "must be non-negative"),

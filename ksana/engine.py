@@ -16,8 +16,9 @@ import torch
 from events import Actor, EventLoop
 from events.clock import Clock
 from ksana.builtin import resolve_model_dir
-from ksana.cache.cache_manager_actor import CacheManagerActor
-from ksana.cache.direct_cache_manager import DirectCacheManager, num_blocks_for
+from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
+from ksana.cache.direct_cache_manager import num_blocks_for
+from ksana.cache.remote_loading import FilesystemKVStore, store_namespace
 from ksana.config import ConfigError, KsanaConfig
 from ksana.models.registry import load_model
 from ksana.scheduler.batch_scheduler import BatchScheduler
@@ -26,6 +27,7 @@ from ksana.tokenizer import load_tokenizer
 from ksana.worker.kv_cache import KVCache
 from ksana.worker.memory_budget import plan_num_blocks
 from ksana.worker.model_runner import ModelRunner
+from ksana.worker.tp_runner import TPModelRunner
 from ksana.worker.worker_actor import WorkerActor
 
 logger = logging.getLogger(__name__)
@@ -50,10 +52,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _reject_unsupported(config: KsanaConfig) -> None:
     """Keys of features that later issues implement: refuse loudly rather than silently ignore them."""
-    s, g = config.setting.batch_scheduler, config.setting.global_
+    s = config.setting.batch_scheduler
     unsupported = [
-        (s.enable_auto_prefix_cache, "setting.batch_scheduler.enable_auto_prefix_cache", "prefix caching"),
-        (g.tensor_para_size != 1, "setting.global.tensor_para_size", "tensor parallelism"),
         (s.mtp_step_num != 0, "setting.batch_scheduler.mtp_step_num", "MTP speculative decoding"),
     ]
     for enabled, key, feature in unsupported:
@@ -77,7 +77,15 @@ class InferenceEngine:
         started = time.perf_counter()
         logger.info("loading model %s (%s on %s)", self.model_dir, str(self.dtype).removeprefix("torch."), self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
+        # Tensor parallelism: ranks 1..N-1 load their shards elsewhere; self.model is rank 0's shard.
+        tp_size = config.setting.global_.tensor_para_size
+        self.tp_runner: TPModelRunner | None = None
+        if tp_size > 1:
+            self.tp_runner = TPModelRunner.launch(tp_size, self.model_dir, self.dtype, self.device,
+                                                  config.setting.global_.num_threads)
+            self.model = self.tp_runner.model
+        else:
+            self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
         self.shape = self.model.shape
         logger.info("model loaded in %.1f s", time.perf_counter() - started)
 
@@ -85,21 +93,50 @@ class InferenceEngine:
         model_max = self.shape.max_position_embeddings
         self.max_token_len = min(sched.max_token_len or model_max, model_max)
         block_size = config.setting.block_manager.block_token_num
-        bytes_per_block = KVCache.bytes_per_block(self.shape, block_size, self.dtype)
+        # Each TP rank holds its KV heads' share of a block; on CPU the ranks share one memory, so size by it all.
+        kv_shape = getattr(self.model, "rank_shape", self.shape)
+        budget_shape = self.shape if self.device.type == "cpu" else kv_shape
+        bytes_per_block = KVCache.bytes_per_block(budget_shape, block_size, self.dtype)
         max_useful = sched.max_batch_size * num_blocks_for(self.max_token_len, block_size)
         num_blocks = plan_num_blocks(config.setting.block_manager, bytes_per_block, self.device, max_useful)
-        self.kv_cache = KVCache.allocate(self.shape, num_blocks, block_size, self.dtype, self.device)
-        logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks, block_size,
-                    num_blocks * block_size, num_blocks * bytes_per_block / 2**20)
+        # Prefix cache on a sliding-window model: the sliding layers get their own SWA block pool, so a cached
+        # prefix's SWA copy can be evicted on its own (SWACacheManager); as many blocks as the FA pool by default.
+        # (Tensor-parallel ranks keep one pool: sliding layers then read the FA tables, as without the cache.)
+        windows = [w for w in self.shape.sliding_windows if w is not None]
+        use_swa_pool = bool(windows) and sched.enable_auto_prefix_cache and tp_size == 1
+        sliding_window = max(windows) if use_swa_pool else None
+        num_swa_blocks = (config.setting.block_manager.num_swa_blocks or num_blocks) if use_swa_pool else 0
+        self.kv_cache = KVCache.allocate(kv_shape, num_blocks, block_size, self.dtype, self.device,
+                                         num_swa_blocks=num_swa_blocks)
+        logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)%s", num_blocks, block_size,
+                    num_blocks * block_size, num_blocks * bytes_per_block / 2**20,
+                    f", {num_swa_blocks} SWA blocks" if num_swa_blocks else "")
 
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        self.cache_manager = DirectCacheManager(num_blocks, block_size)
+        if self.tp_runner is None:
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        else:
+            self.runner = self.tp_runner.start(self.kv_cache)
+        remote_store = None
+        remote_dir = config.setting.block_manager.remote_cache_dir
+        if remote_dir:
+            if self.tp_runner is not None:
+                raise ConfigError("config key 'setting.block_manager.remote_cache_dir': remote cache loading "
+                                  "is not implemented with tensor parallelism")
+            remote_store = FilesystemKVStore(remote_dir, store_namespace(self.model_dir, block_size, self.dtype))
+            self.runner.remote_store = remote_store
+        self.cache_manager = make_cache_manager(num_blocks, block_size, sched.enable_auto_prefix_cache,
+                                                sliding_window, num_swa_blocks, remote_store)
         self.scheduler = BatchScheduler(sched, block_size, num_blocks, self.max_token_len)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.shape)
 
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they are also stopped at exit)."""
+        if self.tp_runner is not None:
+            self.tp_runner.close()
 
     def build_loop(self, io_actor: Actor, clock: Clock | None = None, worker: Actor | None = None) -> EventLoop:
         """A fresh loop with the engine's scheduler, cache manager and worker, and the given I/O actor."""

@@ -54,6 +54,7 @@ class LLM:
         results: list[RequestOutput] = []
         requests: list[InferRequest] = []
         streams: dict[str, SequenceStream] = {}
+        stream_groups: list[list[SequenceStream]] = []
         skip_special = self.config.setting.tokenization.skip_special_tokens
         for prompt, params in zip(prompts, params_list, strict=True):
             if params.stop and self.tokenizer is None:
@@ -61,10 +62,12 @@ class LLM:
             prompt_text, token_ids = self._encode(prompt)
             request_id = self._new_request_id()
             result = RequestOutput(request_id=request_id, prompt=prompt_text, prompt_token_ids=token_ids, outputs=[])
+            stream_groups.append([])
             for index, request in enumerate(self._fan_out(request_id, token_ids, params)):
                 stream = SequenceStream.create(index, self.tokenizer, token_ids, params, skip_special)
                 result.outputs.append(stream.output)
                 streams[request.request_id] = stream
+                stream_groups[-1].append(stream)
                 requests.append(request)
             results.append(result)
 
@@ -73,6 +76,8 @@ class LLM:
             trio.run(self._run, requests, streams, progress.update)
         finally:
             progress.close()
+        for result, group in zip(results, stream_groups, strict=True):
+            result.num_cached_tokens = max(stream.num_cached_tokens for stream in group)
         for result in results:
             errors = [o.error for o in result.outputs if o.error]
             if errors:

@@ -25,6 +25,7 @@ class SequenceStream:
     detokenizer: IncrementalDetokenizer | None
     stop_checker: StopChecker | None
     num_text_sent: int = 0
+    num_cached_tokens: int = 0
 
     @classmethod
     def create(cls, index: int, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
@@ -46,6 +47,7 @@ class SequenceStream:
         out = self.output
         if out.finished:
             return "", False
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         stopped = False
         for i, token_id in enumerate(delta.new_token_ids):
             out.token_ids.append(token_id)

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 # Every operator a step can report, in forward order. ``sampler`` comes from the model runner's own timing;
-# ``all_reduce`` is the tensor-parallel slot (after o_proj and mlp_down), always 0 calls until TP lands.
+# ``all_reduce`` is the tensor-parallel slot (after o_proj and mlp_down); 0 calls when tensor_para_size is 1.
 OPERATORS: tuple[str, ...] = (
     "embedding",
     "rotary",

@@ -4,6 +4,10 @@ The fake model stores, for each computed token, a value derived from (token, pos
 names; the next token is a hash of everything it reads back through the block table. A wrong block id, a lost
 write, a stale block after preemption or a chunk at the wrong offset changes what is read back, so the tokens
 diverge from ``expected_tokens``, which runs the same arithmetic on the plain token list without any blocks.
+
+With ``sliding_window`` the fake model also has a sliding layer: values are written to the SWA slots the rows'
+``swa_block_ids`` name, and the hash also covers the last ``sliding_window`` values read back from there, so a wrong
+SWA block (a reused prefix whose window was evicted, a block released too early) changes the tokens too.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ def next_token(values: list[int]) -> int:
     return 1 + int.from_bytes(digest, "little") % (VOCAB - 1)  # never EOS
 
 
-def expected_tokens(prompt: list[int], num_new: int) -> list[int]:
+def expected_tokens(prompt: list[int], num_new: int, sliding_window: int | None = None) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(num_new):
-        token = next_token([kv_value(t, p) for p, t in enumerate(tokens)])
+        values = [kv_value(t, p) for p, t in enumerate(tokens)]
+        if sliding_window is not None:
+            values += values[max(0, len(values) - sliding_window):]
+        token = next_token(values)
         out.append(token)
         tokens.append(token)
     return out
@@ -43,9 +50,12 @@ class OracleWorker(Actor):
 
     name = "worker"
 
-    def __init__(self, num_blocks: int, block_size: int, step_latency=lambda plan: 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, step_latency=lambda plan: 0.01,
+                 sliding_window: int | None = None, num_swa_blocks: int = 0) -> None:
         self.block_size = block_size
         self.slots = [-1] * (num_blocks * block_size)
+        self.sliding_window = sliding_window
+        self.swa_slots = [-1] * (num_swa_blocks * block_size)
         self.step_latency = step_latency
         self.num_steps = 0
         self.max_rows = 0
@@ -64,9 +74,20 @@ class OracleWorker(Actor):
             for i, token in enumerate(row.token_ids):
                 pos = row.start_position + i
                 self.slots[row.block_ids[pos // bs] * bs + pos % bs] = kv_value(token, pos)
+                if self.sliding_window is not None:
+                    assert row.swa_block_ids[pos // bs] >= 0, f"{row.request_id}: no SWA block for position {pos}"
+                    self.swa_slots[row.swa_block_ids[pos // bs] * bs + pos % bs] = kv_value(token, pos)
         for row in plan.rows:
             if row.do_sample:
                 values = [self.slots[row.block_ids[p // bs] * bs + p % bs] for p in range(row.seq_len)]
+                if self.sliding_window is not None:
+                    first = max(0, row.seq_len - self.sliding_window)
+                    values += [self._swa_value(row.swa_block_ids[p // bs], p) for p in range(first, row.seq_len)]
                 sampled[row.request_id] = SampledToken(next_token(values), 0.0)
         await trio.sleep(self.step_latency(plan))
         await self.send(StepResult(step_id=plan.step_id, sampled=sampled))
+
+    def _swa_value(self, block_id: int, position: int) -> int:
+        if block_id < 0:
+            return -2  # a window position without an SWA block: always a wrong token
+        return self.swa_slots[block_id * self.block_size + position % self.block_size]

@@ -20,6 +20,7 @@ from torch import nn
 
 from kernels.dispatch import KernelOps, OpTimer, get_ops
 from ksana.models.base import CausalLM, WeightSlot
+from ksana.models.parallel import Shard, TPGroup, rank_shape, vocab_range
 from ksana.models.shape import ModelShape
 from ksana.worker.attention_metadata import AttentionMetadata
 
@@ -39,6 +40,14 @@ class Biases:
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _tp_rank_size(tp: TPGroup | None) -> tuple[int, int]:
+    return (0, 1) if tp is None else (tp.rank, tp.world_size)
 
 
 def rope_from_hf_config(config: Any, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -67,23 +76,31 @@ def rope_from_hf_config(config: Any, device: torch.device) -> tuple[torch.Tensor
 
 
 class DecoderAttention(nn.Module):
+    """Under tensor parallelism (``tp``) this rank's KV-head group: its query heads and the KV heads they read."""
+
     def __init__(
-        self, shape: ModelShape, layer_idx: int, biases: Biases, ops: KernelOps, device: torch.device
+        self, shape: ModelShape, layer_idx: int, biases: Biases, ops: KernelOps, device: torch.device,
+        tp: TPGroup | None = None,
     ):
         super().__init__()
         self.ops = ops
-        self.num_heads = shape.num_heads
-        self.num_kv_heads = shape.num_kv_heads
+        rank, num_ranks = _tp_rank_size(tp)
+        self.rank = rank
+        self.all_reduce = None if tp is None else tp.all_reduce
+        self.num_heads = shape.num_heads // num_ranks
+        self.num_kv_heads = shape.num_kv_heads // num_ranks
         self.head_dim = shape.head_dim
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.q_size = self.num_heads * shape.head_dim
+        self.kv_size = self.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
         self.sliding_window = shape.sliding_windows[layer_idx]
         dtype = shape.dtype
         self.qkv_weight = _empty((self.q_size + 2 * self.kv_size, shape.hidden_size), dtype, device)
         self.qkv_bias = _empty((self.q_size + 2 * self.kv_size,), dtype, device) if biases.qkv else None
         self.o_weight = _empty((shape.hidden_size, self.q_size), dtype, device)
-        self.o_bias = _empty((shape.hidden_size,), dtype, device) if biases.o else None
+        # Row-parallel: the bias is added once, by rank 0, before the all-reduce.
+        self.o_bias = _empty((shape.hidden_size,), dtype, device) if biases.o and rank == 0 else None
+        self.has_qkv_bias = biases.qkv
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         rows = {"q_proj": (0, self.q_size), "k_proj": (self.q_size, self.kv_size)}
@@ -95,6 +112,18 @@ class DecoderAttention(nn.Module):
         if self.o_bias is not None:
             slots[f"{prefix}.o_proj.bias"] = WeightSlot(self.o_bias)
         return slots
+
+    def weight_shards(self, prefix: str) -> dict[str, Shard]:
+        """The part of each checkpoint tensor this rank reads (empty without tensor parallelism)."""
+        if self.all_reduce is None:
+            return {}
+        q, kv, r = self.q_size, self.kv_size, self.rank
+        rows = {"q_proj": Shard(0, r * q, q), "k_proj": Shard(0, r * kv, kv), "v_proj": Shard(0, r * kv, kv)}
+        shards = {f"{prefix}.{n}.weight": s for n, s in rows.items()}
+        if self.has_qkv_bias:
+            shards |= {f"{prefix}.{n}.bias": s for n, s in rows.items()}
+        shards[f"{prefix}.o_proj.weight"] = Shard(1, r * q, q)
+        return shards
 
     def forward(
         self,
@@ -111,21 +140,30 @@ class DecoderAttention(nn.Module):
         qk = self.ops.apply_rotary(qk, cos, sin)
         query, key = qk[:, : self.num_heads], qk[:, self.num_heads :]
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.sliding_window is not None and meta.swa is not None:
+            meta = meta.swa  # sliding layers read their own SWA block pool (prefix cache on an SWA model)
         out = self.ops.paged_attention(
             query, key, value, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )
-        return self.ops.o_proj(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        out = self.ops.o_proj(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, shape: ModelShape, biases: Biases, ops: KernelOps, device: torch.device):
+    """Under tensor parallelism gate/up are column-parallel and down row-parallel (then all-reduced)."""
+
+    def __init__(self, shape: ModelShape, biases: Biases, ops: KernelOps, device: torch.device,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.ops = ops
-        size, dtype = shape.intermediate_size, shape.dtype
+        rank, num_ranks = _tp_rank_size(tp)
+        self.rank = rank
+        self.all_reduce = None if tp is None else tp.all_reduce
+        size, dtype = shape.intermediate_size // num_ranks, shape.dtype
         self.gate_up_weight = _empty((2 * size, shape.hidden_size), dtype, device)
         self.gate_up_bias = _empty((2 * size,), dtype, device) if biases.mlp else None
         self.down_weight = _empty((shape.hidden_size, size), dtype, device)
-        self.down_bias = _empty((shape.hidden_size,), dtype, device) if biases.mlp else None
+        self.down_bias = _empty((shape.hidden_size,), dtype, device) if biases.mlp and rank == 0 else None
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         size = self.down_weight.shape[1]
@@ -137,12 +175,25 @@ class DecoderMLP(nn.Module):
         if self.gate_up_bias is not None:
             slots[f"{prefix}.gate_proj.bias"] = WeightSlot(self.gate_up_bias, 0, size)
             slots[f"{prefix}.up_proj.bias"] = WeightSlot(self.gate_up_bias, size, size)
-            slots[f"{prefix}.down_proj.bias"] = WeightSlot(self.down_bias)
+            if self.down_bias is not None:
+                slots[f"{prefix}.down_proj.bias"] = WeightSlot(self.down_bias)
         return slots
+
+    def weight_shards(self, prefix: str) -> dict[str, Shard]:
+        if self.all_reduce is None:
+            return {}
+        size = self.down_weight.shape[1]
+        rows = Shard(0, self.rank * size, size)
+        shards = {f"{prefix}.gate_proj.weight": rows, f"{prefix}.up_proj.weight": rows,
+                  f"{prefix}.down_proj.weight": Shard(1, self.rank * size, size)}
+        if self.gate_up_bias is not None:
+            shards |= {f"{prefix}.gate_proj.bias": rows, f"{prefix}.up_proj.bias": rows}
+        return shards
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.mlp_gate_up(hidden, self.gate_up_weight, self.gate_up_bias)
-        return self.ops.mlp_down(self.ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        out = self.ops.mlp_down(self.ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -154,12 +205,13 @@ class DecoderLayer(nn.Module):
         eps: float,
         ops: KernelOps,
         device: torch.device,
+        tp: TPGroup | None = None,
     ):
         super().__init__()
         self.ops = ops
         self.eps = eps
-        self.self_attn = DecoderAttention(shape, layer_idx, biases, ops, device)
-        self.mlp = DecoderMLP(shape, biases, ops, device)
+        self.self_attn = DecoderAttention(shape, layer_idx, biases, ops, device, tp)
+        self.mlp = DecoderMLP(shape, biases, ops, device, tp)
         self.input_norm_weight = _empty((shape.hidden_size,), shape.dtype, device)
         self.post_attention_norm_weight = _empty((shape.hidden_size,), shape.dtype, device)
 
@@ -170,6 +222,9 @@ class DecoderLayer(nn.Module):
             f"{prefix}.input_layernorm.weight": WeightSlot(self.input_norm_weight),
             f"{prefix}.post_attention_layernorm.weight": WeightSlot(self.post_attention_norm_weight),
         }
+
+    def weight_shards(self, prefix: str) -> dict[str, Shard]:
+        return {**self.self_attn.weight_shards(f"{prefix}.self_attn"), **self.mlp.weight_shards(f"{prefix}.mlp")}
 
     def forward(
         self,
@@ -201,23 +256,33 @@ class DecoderForCausalLM(CausalLM):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         eos_token_ids: list[int] | None = None,
+        tp: TPGroup | None = None,
     ):
         super().__init__()
         device = torch.device(device)
+        # ``shape`` is the whole model's; ``rank_shape`` this tensor-parallel rank's (its KV cache is that size).
         self.shape = ModelShape.from_hf_config(config, dtype, eos_token_ids)
+        self.tp = tp
+        self.rank_shape = rank_shape(self.shape, 1 if tp is None else tp.world_size)
         self.ops = self.plain_ops = get_ops(device)
         self.eps = float(config.rms_norm_eps)
         biases = self._biases(config)
         shape = self.shape
-        self.embed_weight = _empty((shape.vocab_size, shape.hidden_size), dtype, device)
+        rank, num_ranks = _tp_rank_size(tp)
+        self.vocab_start, self.num_vocab_rows, rows_per_rank = vocab_range(shape.vocab_size, rank, num_ranks)
+        # Vocabulary-parallel rows; the padding past the vocabulary stays zero (never looked up, logits cut).
+        make = _empty if tp is None else _zeros
+        self.embed_weight = make((rows_per_rank, shape.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, i, biases, self.eps, self.ops, device) for i in range(shape.num_layers)
+            DecoderLayer(shape, i, biases, self.eps, self.ops, device, tp) for i in range(shape.num_layers)
         )
         self.norm_weight = _empty((shape.hidden_size,), dtype, device)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head_weight = (
-            self.embed_weight if self.tied else _empty(self.embed_weight.shape, dtype, device)
+            self.embed_weight if self.tied else make(self.embed_weight.shape, dtype, device)
         )
+        self.all_reduce = None if tp is None else tp.all_reduce
+        self.all_gather = None if tp is None else tp.all_gather_last_dim
         inv_freq, self.attention_scaling = rope_from_hf_config(config, device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.profiler: OpProfiler | None = None
@@ -228,18 +293,32 @@ class DecoderForCausalLM(CausalLM):
         raise NotImplementedError
 
     def weight_slots(self) -> dict[str, WeightSlot]:
-        slots = {"model.embed_tokens.weight": WeightSlot(self.embed_weight)}
+        rows = None if self.tp is None else self.num_vocab_rows
+        slots = {"model.embed_tokens.weight": WeightSlot(self.embed_weight, 0, rows)}
         for i, layer in enumerate(self.layers):
             slots |= layer.weight_slots(f"model.layers.{i}")
         slots["model.norm.weight"] = WeightSlot(self.norm_weight)
         if not self.tied:
-            slots["lm_head.weight"] = WeightSlot(self.lm_head_weight)
+            slots["lm_head.weight"] = WeightSlot(self.lm_head_weight, 0, rows)
         return slots
+
+    def weight_shards(self) -> dict[str, Shard]:
+        """Checkpoint tensor name -> the part this tensor-parallel rank reads; tensors not named are whole."""
+        if self.tp is None:
+            return {}
+        vocab = Shard(0, self.vocab_start, self.num_vocab_rows)
+        shards = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
+        for i, layer in enumerate(self.layers):
+            shards |= layer.weight_shards(f"model.layers.{i}")
+        return shards
 
     def ignored_weight_names(self) -> frozenset[str]:
         names = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(self.shape.num_layers)}
         if self.tied:
             names.add("lm_head.weight")
+        if self.tp is not None and self.tp.rank != 0:  # row-parallel biases live on rank 0
+            for i in range(self.shape.num_layers):
+                names |= {f"model.layers.{i}.self_attn.o_proj.bias", f"model.layers.{i}.mlp.down_proj.bias"}
         return frozenset(names)
 
     def tie_lm_head(self) -> None:
@@ -255,6 +334,13 @@ class DecoderForCausalLM(CausalLM):
         for layer in self.layers:
             layer.ops = layer.self_attn.ops = layer.mlp.ops = ops
         self.profiler = profiler
+        if self.tp is not None:  # the collectives are timed as the "all_reduce" operator
+            all_reduce, all_gather = self.tp.all_reduce, self.tp.all_gather_last_dim
+            if profiler is not None:
+                all_reduce, all_gather = profiler.wrap("all_reduce", all_reduce), profiler.wrap("all_reduce", all_gather)
+            self.all_reduce, self.all_gather = all_reduce, all_gather
+            for layer in self.layers:
+                layer.self_attn.all_reduce = layer.mlp.all_reduce = all_reduce
 
     def set_layer_forward_round(self, num_rounds: int) -> None:
         """Run each decoder layer ``num_rounds`` times per forward (KsanaLLM's ``layer_forward_round``): the cost
@@ -270,7 +356,7 @@ class DecoderForCausalLM(CausalLM):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.ops.embedding(input_ids, self.embed_weight)
+        hidden = self._embed(input_ids)
         cos, sin = self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
         residual = None
         profiler, num_repeats = self.profiler, self.layer_forward_round - 1
@@ -285,5 +371,17 @@ class DecoderForCausalLM(CausalLM):
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm_weight, self.eps)
         return hidden
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.all_reduce is None:
+            return self.ops.embedding(input_ids, self.embed_weight)
+        # Vocabulary-parallel: each rank looks up the ids in its range, zeros the rest; the sum is the lookup.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_vocab_rows)
+        hidden = self.ops.embedding(local.masked_fill(outside, 0), self.embed_weight)
+        return self.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0).contiguous())
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.lm_head(hidden, self.lm_head_weight).float()
+        logits = self.ops.lm_head(hidden, self.lm_head_weight).float()
+        if self.all_gather is None:
+            return logits
+        return self.all_gather(logits)[:, : self.shape.vocab_size]

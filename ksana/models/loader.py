@@ -1,7 +1,8 @@
 """Reads Hugging Face checkpoints (safetensors or PyTorch .bin, single file or sharded) into a model.
 
 Tensors are streamed one at a time into the model's preallocated parameters (cast to the model dtype on copy),
-so peak memory is the model plus one tensor.
+so peak memory is the model plus one tensor. A tensor-parallel rank reads only its ``Shard`` of each split
+tensor (a safetensors slice read, or a narrow of a memory-mapped .bin), never the whole model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ksana.models.base import CausalLM
+from ksana.models.parallel import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -42,22 +44,39 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     )
 
 
-def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Yield ``(name, tensor, file)`` for every tensor, on CPU, lazily where the format allows."""
+def iter_checkpoint_tensors(
+    files: list[Path], shards: dict[str, Shard] | None = None
+) -> Iterator[tuple[str, torch.Tensor, Path, tuple[int, ...]]]:
+    """Yield ``(name, tensor, file, full_shape)`` for every tensor, on CPU, lazily where the format allows.
+
+    A tensor named in ``shards`` comes as that part only; ``full_shape`` is the checkpoint tensor's shape.
+    """
+    shards = shards or {}
     for path in files:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, f.get_tensor(name), path
+                    shard = shards.get(name)
+                    if shard is None:
+                        tensor = f.get_tensor(name)
+                        yield name, tensor, path, tuple(tensor.shape)
+                        continue
+                    part = f.get_slice(name)
+                    full_shape = tuple(part.get_shape())
+                    index = [slice(None)] * len(full_shape)
+                    index[shard.dim] = slice(shard.start, shard.start + shard.size)
+                    yield name, part[tuple(index)], path, full_shape
         else:
             try:
                 state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
             except RuntimeError:  # legacy (pre-zipfile) .bin files cannot be memory-mapped
                 state = torch.load(path, weights_only=True, map_location="cpu")
             for name, tensor in state.items():
-                yield name, tensor, path
+                shard = shards.get(name)
+                part = tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.size)
+                yield name, part, path, tuple(tensor.shape)
             del state
 
 
@@ -68,11 +87,12 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     checkpoint lacks some. A missing ``lm_head.weight`` means tied embeddings.
     """
     slots = model.weight_slots()
+    shards = model.weight_shards() if hasattr(model, "weight_shards") else {}
     ignored = model.ignored_weight_names()
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
-        for name, tensor, path in iter_checkpoint_tensors(checkpoint_files(model_dir)):
+        for name, tensor, path, full_shape in iter_checkpoint_tensors(checkpoint_files(model_dir), shards):
             slot = slots.get(name)
             if slot is None:
                 if name not in ignored:
@@ -80,9 +100,10 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 continue
             target = slot.target()
             if tuple(tensor.shape) != tuple(target.shape):
+                what = "its tensor-parallel part has" if name in shards else "has"
                 raise ValueError(
-                    f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
-                    f"but config.json implies {tuple(target.shape)}"
+                    f"tensor {name!r} in {path} {what} shape {tuple(tensor.shape)} (checkpoint shape "
+                    f"{full_shape}), but config.json implies {tuple(target.shape)}"
                 )
             target.copy_(tensor)
             loaded.add(name)

@@ -13,6 +13,7 @@ from ksana.models.decoder import DecoderForCausalLM
 from ksana.models.llama import LlamaForCausalLM
 from ksana.models.loader import load_weights
 from ksana.models.mistral import MistralForCausalLM
+from ksana.models.parallel import TPGroup
 from ksana.models.qwen2 import Qwen2ForCausalLM
 
 __all__ = ["MODEL_FAMILIES", "CausalLM", "load_model", "read_eos_token_ids"]
@@ -37,9 +38,11 @@ def read_eos_token_ids(model_dir: Path, config) -> list[int]:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    tp: TPGroup | None = None,
 ) -> CausalLM:
-    """Build the family named by ``config.json``'s ``model_type`` and load its weights onto ``device``."""
+    """Build the family named by ``config.json``'s ``model_type`` and load its weights onto ``device``
+    (with ``tp``, only this tensor-parallel rank's shard)."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
@@ -52,6 +55,10 @@ def load_model(
             f"unsupported model_type {config.model_type!r} in {model_dir / 'config.json'}; "
             f"supported: {', '.join(sorted(MODEL_FAMILIES))}"
         )
-    model = family(config, dtype=dtype, device=device, eos_token_ids=read_eos_token_ids(model_dir, config))
+    eos_token_ids = read_eos_token_ids(model_dir, config)
+    if tp is None:
+        model = family(config, dtype=dtype, device=device, eos_token_ids=eos_token_ids)
+    else:
+        model = family(config, dtype=dtype, device=device, eos_token_ids=eos_token_ids, tp=tp)
     load_weights(model, model_dir)
     return model.eval()

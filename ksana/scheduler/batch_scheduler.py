@@ -8,6 +8,12 @@ generated tokens kept.
 
 The scheduler mirrors the cache manager's free-block count from the manager's replies, so it can plan a step that
 fits and ask for all of the step's blocks in one exchange.
+
+With the prefix cache (``enable_auto_prefix_cache``) the same exchange carries the cache's traffic: a request
+holding no blocks asks to match its prefix and its ``num_computed_tokens`` then starts at the matched tokens (the
+step's tokens shrink accordingly); every demand carries the tokens the manager has not seen, so it knows which
+blocks the step fills. A request whose prefix is in the remote store spends one step loading it (the worker does
+the transfer within that step's ``ExecuteStep``) and is matched again, with the load's result, the step after.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ import logging
 
 import attrs
 
-from events.messages import BlockDemand, RequestDelta, SampledToken, ScheduledRow, StepBlocks
+from events.messages import (
+    BlockDemand,
+    RemoteBlock,
+    RemoteLoad,
+    RequestDelta,
+    SampledToken,
+    ScheduledRow,
+    StepBlocks,
+)
 from ksana.cache.direct_cache_manager import num_blocks_for
 from ksana.config import BatchSchedulerSetting
 from ksana.request import FinishReason, InferRequest, RequestStatus
@@ -43,6 +57,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = attrs.field(factory=list)
     preempted: list[InferRequest] = attrs.field(factory=list)
     rejected: list[RequestDelta] = attrs.field(factory=list)
+    remote_loads: tuple[RemoteLoad, ...] = ()
+    remote_saves: tuple[RemoteBlock, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +88,11 @@ class BatchScheduler:
         self.running: list[InferRequest] = []
         self.requests: dict[str, InferRequest] = {}
         self.block_ids: dict[str, tuple[int, ...]] = {}
+        self.swa_block_ids: dict[str, tuple[int, ...]] = {}
         self.num_free_blocks = num_total_blocks
+        self.enable_prefix_cache = setting.enable_auto_prefix_cache
+        self._num_tokens_sent: dict[str, int] = {}  # tokens the cache manager has seen, per request
+        self._remote_loaded: dict[str, int] = {}  # finished remote loads, reported with the next demand
         self.stats = SchedulerStats()
 
     # ---- arrivals and departures ------------------------------------------------------------------------------
@@ -163,25 +183,64 @@ class BatchScheduler:
         return out
 
     def block_demands(self, out: SchedulerOutput) -> tuple[BlockDemand, ...]:
-        return tuple(
-            BlockDemand(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens) for s in out.scheduled
-        )
+        if not self.enable_prefix_cache:
+            return tuple(
+                BlockDemand(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
+                for s in out.scheduled
+            )
+        demands = []
+        for s in out.scheduled:
+            req = s.request
+            rid = req.request_id
+            if req.num_computed_tokens == 0 and rid not in self.block_ids:
+                demands.append(BlockDemand(rid, s.num_new_tokens, tuple(req.token_ids), match_prefix=True,
+                                           num_remote_loaded_blocks=self._remote_loaded.pop(rid, -1)))
+            else:
+                sent = self._num_tokens_sent.get(rid, 0)
+                demands.append(BlockDemand(rid, req.num_computed_tokens + s.num_new_tokens,
+                                           tuple(req.token_ids[sent:])))
+            self._num_tokens_sent[rid] = req.num_tokens
+        return tuple(demands)
 
     def apply_blocks(self, out: SchedulerOutput, reply: StepBlocks) -> None:
         """Take the granted block tables; a refused request is preempted (the direct manager never refuses a
         plan made from an accurate mirror, a sharing manager may)."""
         self.num_free_blocks = reply.num_free_blocks
         self.block_ids.update(reply.block_tables)
-        if not reply.refused:
+        if reply.swa_block_tables:
+            self.swa_block_ids.update(reply.swa_block_tables)
+        for rid, num_cached in reply.num_cached_tokens.items():
+            self._start_at_cached(out, rid, num_cached)
+        out.remote_loads, out.remote_saves = reply.remote_loads, reply.remote_saves
+        if not reply.refused and not reply.remote_loads:
             return
         refused = set(reply.refused)
+        loading = {load.request_id for load in reply.remote_loads}
         kept = []
         for s in out.scheduled:
             if s.request.request_id in refused:
                 self._preempt(s.request, out)
-            else:
+            elif s.request.request_id not in loading:  # a loading request stays running, computes next step
                 kept.append(s)
         out.scheduled = kept
+
+    def _start_at_cached(self, out: SchedulerOutput, request_id: str, num_cached: int) -> None:
+        """A prefix hit: the request's computation starts after its matched tokens."""
+        for s in out.scheduled:
+            req = s.request
+            if req.request_id == request_id:
+                req.num_computed_tokens = num_cached
+                if req.num_output_tokens == 0:
+                    req.num_cached_tokens = num_cached
+                s.num_new_tokens = min(s.num_new_tokens, req.num_tokens - num_cached)
+                s.do_sample = num_cached + s.num_new_tokens == req.num_tokens
+                return
+
+    def note_remote_loaded(self, remote_loaded: dict[str, int]) -> None:
+        """The worker's remote-load results; each rides on its request's next demand."""
+        for rid, num_loaded in remote_loaded.items():
+            if rid in self.requests:
+                self._remote_loaded[rid] = num_loaded
 
     def build_rows(self, out: SchedulerOutput) -> tuple[ScheduledRow, ...]:
         rows = []
@@ -196,6 +255,7 @@ class BatchScheduler:
                 token_ids=tokens,
                 start_position=start,
                 block_ids=self.block_ids[req.request_id],
+                swa_block_ids=self.swa_block_ids.get(req.request_id, ()),
                 do_sample=sample,
                 sampling_params=params if sample else None,
                 seed=req.seed,
@@ -253,7 +313,12 @@ class BatchScheduler:
         return self._forget_blocks(request)
 
     def _forget_blocks(self, request: InferRequest) -> int:
-        num = len(self.block_ids.pop(request.request_id, ()))
+        rid = request.request_id
+        if self.enable_prefix_cache:
+            self.swa_block_ids.pop(rid, None)
+            self._num_tokens_sent.pop(rid, None)
+            self._remote_loaded.pop(rid, None)
+        num = len(self.block_ids.pop(rid, ()))
         self.num_free_blocks += num
         return num
 

@@ -80,6 +80,8 @@ class SchedulerActor(Actor):
         out, self._in_flight = self._in_flight, None
         assert out is not None and msg.step_id == self._next_step_id - 1, "step result out of order"
         deltas, finished = self.scheduler.update(out, msg.sampled)
+        if msg.remote_loaded:
+            self.scheduler.note_remote_loaded(msg.remote_loaded)
         if finished:
             await self.send(FreeRequestBlocks(tuple(finished)))
         if deltas:
@@ -102,9 +104,10 @@ class SchedulerActor(Actor):
             self.scheduler.apply_blocks(out, reply)
             # Requests preempted on a refusal still hold blocks in the manager: release them next time.
             self._pending_release.extend(r.request_id for r in out.preempted[num_preempted:])
-            if not out.scheduled:
+            if not out.scheduled and not out.remote_loads:
                 continue
-            plan = StepPlan(step_id=self._next_step_id, rows=self.scheduler.build_rows(out))
+            plan = StepPlan(step_id=self._next_step_id, rows=self.scheduler.build_rows(out),
+                            remote_loads=out.remote_loads, remote_saves=out.remote_saves)
             self._next_step_id += 1
             self._in_flight = out
             await self.send(ExecuteStep(plan))

@@ -15,6 +15,7 @@ _EXTRA_CONFIG_FLAGS = {
     "waiting_timeout_in_ms": int,
     "block_device_memory_ratio": float,
     "num_threads": int,
+    "tensor_para_size": int,
 }
 
 

@@ -34,6 +34,8 @@ class AttentionMetadata:
     # Python copies of the small per-sequence vectors, so attention loops do not sync on tensors.
     query_lens_list: list[int] = attrs.field(factory=list)
     seq_lens_list: list[int] = attrs.field(factory=list)
+    # Sliding-window layers with their own SWA block pool read this instead (same layout, SWA block ids).
+    swa: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -2,6 +2,9 @@
 
 Only the worker touches these tensors; which block belongs to which sequence is the cache manager's business
 and reaches the model through ``AttentionMetadata.block_tables`` / ``slot_mapping``.
+
+With the prefix cache on a sliding-window model, sliding layers get their own pool of ``num_swa_blocks`` blocks
+(indexed by SWA block ids, through ``AttentionMetadata.swa``); full-attention layers keep ``num_blocks``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ class KVCache:
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     num_blocks: int
     block_size: int
+    num_swa_blocks: int = 0  # > 0: the sliding layers (``swa_layers``) index a separate SWA pool
+    swa_layers: tuple[int, ...] = ()
 
     @classmethod
     def allocate(
@@ -28,14 +33,46 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        num_swa_blocks: int = 0,
     ) -> KVCache:
-        """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask."""
-        dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        layers = [
-            (torch.zeros(dims, dtype=dtype, device=device), torch.zeros(dims, dtype=dtype, device=device))
-            for _ in range(shape.num_layers)
-        ]
-        return cls(layers=layers, num_blocks=num_blocks, block_size=block_size)
+        """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask.
+
+        ``num_swa_blocks`` > 0 gives the sliding-window layers their own pool of that many blocks."""
+        swa_layers = tuple(i for i, w in enumerate(shape.sliding_windows) if w is not None) if num_swa_blocks else ()
+        layers = []
+        for i in range(shape.num_layers):
+            dims = (num_swa_blocks if i in swa_layers else num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+            layers.append((torch.zeros(dims, dtype=dtype, device=device),
+                           torch.zeros(dims, dtype=dtype, device=device)))
+        return cls(layers=layers, num_blocks=num_blocks, block_size=block_size, num_swa_blocks=num_swa_blocks,
+                   swa_layers=swa_layers)
+
+    def block_tensors(self, fa_block_id: int, swa_block_id: int) -> dict[str, torch.Tensor]:
+        """One block's K/V in every layer (sliding layers from ``swa_block_id`` when there is an SWA pool)."""
+        out = {}
+        for i, (k, v) in enumerate(self.layers):
+            block = swa_block_id if i in self.swa_layers else fa_block_id
+            if block < 0:
+                continue
+            out[f"k.{i}"], out[f"v.{i}"] = k[block], v[block]
+        return out
+
+    def write_block(self, fa_block_id: int, swa_block_id: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """Copy a block's K/V in; False (nothing half-written matters: the caller discards the block) when the
+        tensors do not fit this cache's layout."""
+        targets = []
+        for i, (k, v) in enumerate(self.layers):
+            block = swa_block_id if i in self.swa_layers else fa_block_id
+            if block < 0:
+                continue
+            src_k, src_v = tensors.get(f"k.{i}"), tensors.get(f"v.{i}")
+            if src_k is None or src_v is None or src_k.shape != k.shape[1:] or src_v.shape != v.shape[1:]:
+                return False
+            targets.append((k[block], src_k, v[block], src_v))
+        for dst_k, src_k, dst_v, src_v in targets:
+            dst_k.copy_(src_k)
+            dst_v.copy_(src_v)
+        return True
 
     @staticmethod
     def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import torch
 
-from events.messages import SampledToken, ScheduledRow, StepPlan, StepTimings
+from events.messages import RemoteBlock, RemoteLoad, SampledToken, ScheduledRow, StepPlan, StepTimings
+from ksana.cache.remote_loading import RemoteKVStore
 from ksana.worker.attention_metadata import AttentionMetadata
 from ksana.worker.kv_cache import KVCache
 from ksana.worker.sampler import Sampler, SamplingRow
@@ -23,8 +25,35 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
         self.sampler = Sampler()
+        self.remote_store: RemoteKVStore | None = None
 
     def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
+        sampled, timings = self._execute_rows(plan) if plan.rows else ({}, StepTimings())
+        if plan.remote_saves:
+            self.save_remote_blocks(plan.remote_saves)
+        return sampled, timings
+
+    def load_remote_blocks(self, loads: tuple[RemoteLoad, ...]) -> dict[str, int]:
+        """Copy each load's blocks from the store, in order; a load stops at its first missing or unreadable
+        block, and the count of consecutive loaded blocks goes back to the cache manager."""
+        result = {}
+        for load in loads:
+            num_loaded = 0
+            for block in load.blocks:
+                tensors = self.remote_store.load(block.block_hash) if self.remote_store is not None else None
+                if tensors is None or not self.kv_cache.write_block(block.fa_block_id, block.swa_block_id, tensors):
+                    break
+                num_loaded += 1
+            result[load.request_id] = num_loaded
+        return result
+
+    def save_remote_blocks(self, blocks: tuple[RemoteBlock, ...]) -> None:
+        if self.remote_store is None:
+            return
+        for block in blocks:
+            self.remote_store.save(block.block_hash, self.kv_cache.block_tensors(block.fa_block_id, block.swa_block_id))
+
+    def _execute_rows(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
         t0 = time.perf_counter()
         # Decode rows first: attention batches them in one pass.
         rows = sorted(plan.rows, key=lambda row: row.num_new_tokens != 1)
@@ -77,7 +106,22 @@ class ModelRunner:
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
         )
+        if self.kv_cache.num_swa_blocks:
+            meta.swa = self._swa_metadata(rows, meta, row_index, positions)
         return input_ids.to(self.device), positions.to(self.device), meta
+
+    def _swa_metadata(self, rows: list[ScheduledRow], meta: AttentionMetadata, row_index: torch.Tensor,
+                      positions: torch.Tensor) -> AttentionMetadata:
+        """The sliding layers' view: SWA block ids (positions outside the window are -1, read as block 0 and
+        masked), same sequences and lengths."""
+        block_size = self.block_size
+        max_blocks = max(len(row.swa_block_ids) for row in rows)
+        tables = [[max(b, 0) for b in row.swa_block_ids] + [0] * (max_blocks - len(row.swa_block_ids))
+                  for row in rows]
+        block_tables = torch.tensor(tables, dtype=torch.int64)
+        slot_mapping = block_tables[row_index, positions // block_size] * block_size + positions % block_size
+        return attrs.evolve(meta, slot_mapping=slot_mapping.to(self.device),
+                            block_tables=block_tables.to(self.device), swa=None)
 
     def sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> dict[str, SampledToken]:
         sampling_rows = [

@@ -15,5 +15,9 @@ class WorkerActor(Actor):
 
     @handles(ExecuteStep)
     async def on_execute(self, msg: ExecuteStep) -> None:
+        loaded = {}
+        if msg.plan.remote_loads:  # before the forward pass: the loaded blocks are reserved, nobody else writes
+            loaded = await run_blocking(self.runner.load_remote_blocks, msg.plan.remote_loads)
         sampled, timings = await run_blocking(self.runner.execute, msg.plan)
-        await self.send(StepResult(step_id=msg.plan.step_id, sampled=sampled, timings=timings))
+        await self.send(StepResult(step_id=msg.plan.step_id, sampled=sampled, timings=timings,
+                                   remote_loaded=loaded))

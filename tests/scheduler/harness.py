@@ -11,8 +11,7 @@ import trio.testing
 from events import Actor, EventLoop, handles
 from events.clock import VirtualClock
 from events.messages import AbortRequest, AddRequest, CacheStats, GetCacheStats, TokensOut
-from ksana.cache.cache_manager_actor import CacheManagerActor
-from ksana.cache.direct_cache_manager import DirectCacheManager
+from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
 from ksana.config import BatchSchedulerSetting
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams
@@ -65,6 +64,7 @@ class RunResult:
     stats_after: CacheStats
     scheduler: BatchScheduler
     worker: OracleWorker
+    manager: object = None
 
 
 def random_arrivals(rng: random.Random, num: int, max_prompt: int = 60, max_new: int = 30,
@@ -78,11 +78,31 @@ def random_arrivals(rng: random.Random, num: int, max_prompt: int = 60, max_new:
     return arrivals
 
 
+def random_arrivals_with_shared_prefixes(rng: random.Random, num: int, num_prefixes: int = 3,
+                                         max_prefix: int = 40, max_suffix: int = 20,
+                                         max_new: int = 20) -> list[Arrival]:
+    """Arrivals whose prompts start with one of a few shared prefixes (some prompts are a whole prefix, or a
+    prefix plus nothing but a few tokens), so the prefix cache hits, partially and fully."""
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_prefix))] for _ in range(num_prefixes)]
+    arrivals, t = [], 0.0
+    for i in range(num):
+        t += rng.expovariate(20.0)
+        prefix = rng.choice(prefixes)
+        suffix = [rng.randrange(1, VOCAB) for _ in range(rng.choice([0, 1, rng.randint(1, max_suffix)]))]
+        arrivals.append(Arrival(t, f"r{i}", prefix + suffix, rng.randint(1, max_new)))
+    return arrivals
+
+
 def run_workload(arrivals: list[Arrival], setting: BatchSchedulerSetting, num_blocks: int, block_size: int,
-                 max_token_len: int = 4096, step_latency=lambda plan: 0.005 + 0.0005 * plan.num_tokens) -> RunResult:
+                 max_token_len: int = 4096, step_latency=lambda plan: 0.005 + 0.0005 * plan.num_tokens,
+                 sliding_window: int | None = None, num_swa_blocks: int = 0) -> RunResult:
+    """``setting.enable_auto_prefix_cache`` picks the prefix cache manager; ``sliding_window`` adds an SWA pool
+    of ``num_swa_blocks`` (default: as many as the FA pool) and a sliding layer to the oracle."""
     scheduler = BatchScheduler(setting, block_size, num_blocks, max_token_len)
-    manager = DirectCacheManager(num_blocks, block_size)
-    worker = OracleWorker(num_blocks, block_size, step_latency)
+    num_swa_blocks = (num_swa_blocks or num_blocks) if sliding_window else 0
+    manager = make_cache_manager(num_blocks, block_size, setting.enable_auto_prefix_cache, sliding_window,
+                                 num_swa_blocks)
+    worker = OracleWorker(num_blocks, block_size, step_latency, sliding_window, num_swa_blocks)
     io = CollectorIO(len(arrivals))
     out: dict = {}
 
@@ -113,4 +133,4 @@ def run_workload(arrivals: list[Arrival], setting: BatchSchedulerSetting, num_bl
             loop.shutdown()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    return RunResult(io.results, out["stats"], scheduler, worker)
+    return RunResult(io.results, out["stats"], scheduler, worker, manager)
