@@ -19,11 +19,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-token-num", type=int)
     parser.add_argument("--split-fuse-token-num", type=int)
     parser.add_argument("--num-device-blocks", type=int)
+    parser.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                        dest="enable_auto_prefix_cache", help="setting.batch_scheduler.enable_auto_prefix_cache")
 
 
 def config_overrides(args: argparse.Namespace) -> dict:
     keys = ("dtype", "max_batch_size", "max_step_tokens", "block_token_num", "split_fuse_token_num",
-            "num_device_blocks")
+            "num_device_blocks", "enable_auto_prefix_cache")
     return {key: getattr(args, key) for key in keys}
 
 

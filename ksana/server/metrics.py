@@ -49,6 +49,11 @@ class ServerMetrics:
             "prefix_cache_hit_req_num", "Requests whose prompt hit the prefix cache", registry=r)
         self.prefix_cache_hit_token_num = Counter(
             "prefix_cache_hit_token_num", "Prompt tokens served from the prefix cache", registry=r)
+        # The cache manager's own running totals, read at scrape time like the block gauges.
+        self.prefix_cache_hit_block_num = Gauge(
+            "prefix_cache_hit_block_num", "KV blocks served from the prefix cache so far", registry=r)
+        self.full_prompt_matched_req_num = Gauge(
+            "full_prompt_matched_req_num", "Requests whose whole prompt was cached so far", registry=r)
         self.batch_scheduler_batch_size = Gauge(
             "batch_scheduler_batch_size", "Running requests after the latest step", registry=r)
         self.batch_scheduler_waiting_size = Gauge(
@@ -67,6 +72,8 @@ class ServerMetrics:
         self.block_manager_free_block_num.set(stats.num_free_blocks)
         self.block_manager_used_block_num.set(stats.num_used_blocks)
         self.block_manager_request_num.set(stats.num_requests_with_blocks)
+        self.prefix_cache_hit_block_num.set(stats.prefix_cache_hit_block_num)
+        self.full_prompt_matched_req_num.set(stats.full_prompt_matched_req_num)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
