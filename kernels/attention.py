@@ -12,6 +12,7 @@ KV group into SDPA's query-length dimension, prefill uses SDPA's ``enable_gqa``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -150,54 +151,42 @@ def paged_prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """One layer's attention for a packed batch: store the new K/V, then attend through the block tables.
+def compose_paged_attention(store_kv_cache: Callable, decode: Callable, prefill: Callable) -> Callable:
+    """``paged_attention`` from its three steps, so perf mode can time each step of the same algorithm."""
 
-    ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads, head_dim]`` in the cache dtype.
-    Returns ``[T, num_heads, head_dim]``.
-    """
-    store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-    query_lens = meta.query_lens_list or meta.query_start_loc.diff().tolist()
-    seq_lens = meta.seq_lens_list or meta.seq_lens.tolist()
-    num_decodes = meta.num_decodes
-    outs = []
-    if num_decodes:
-        outs.append(
-            paged_decode_attention(
-                query[:num_decodes],
-                k_cache,
-                v_cache,
-                meta.block_tables[:num_decodes],
-                meta.seq_lens[:num_decodes],
-                scale,
-                sliding_window,
-                max(seq_lens[:num_decodes]),
-            )
-        )
-    start = num_decodes
-    for i in range(num_decodes, len(seq_lens)):
-        end = start + query_lens[i]
-        outs.append(
-            paged_prefill_attention(
-                query[start:end],
-                key[start:end],
-                value[start:end],
-                k_cache,
-                v_cache,
-                meta.block_tables[i],
-                seq_lens[i],
-                scale,
-                sliding_window,
-            )
-        )
-        start = end
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    def paged_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """One layer's attention for a packed batch: store the new K/V, then attend through the block tables.
+
+        ``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads, head_dim]`` in the cache
+        dtype. Decode rows (the first ``meta.num_decodes``) go in one call, prefill rows one sequence at a time.
+        Returns ``[T, num_heads, head_dim]``.
+        """
+        store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        query_lens = meta.query_lens_list or meta.query_start_loc.diff().tolist()
+        seq_lens = meta.seq_lens_list or meta.seq_lens.tolist()
+        num_decodes = meta.num_decodes
+        outs = []
+        if num_decodes:
+            outs.append(decode(query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
+                               meta.seq_lens[:num_decodes], scale, sliding_window, max(seq_lens[:num_decodes])))
+        start = num_decodes
+        for i in range(num_decodes, len(seq_lens)):
+            end = start + query_lens[i]
+            outs.append(prefill(query[start:end], key[start:end], value[start:end], k_cache, v_cache,
+                                meta.block_tables[i], seq_lens[i], scale, sliding_window))
+            start = end
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    return paged_attention
+
+
+paged_attention = compose_paged_attention(store_kv_cache, paged_decode_attention, paged_prefill_attention)

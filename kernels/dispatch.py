@@ -1,7 +1,8 @@
 """The one place that picks kernel implementations per device.
 
-Models hold the ``KernelOps`` returned by ``get_ops(device)`` and call ops only through it, so adding Triton or
-torch-npu kernels is a change here and nowhere else. Today every device maps to the torch reference path.
+Models hold the ``KernelOps`` returned by ``get_ops(device)`` and call ops only through it: CUDA gets the Triton
+kernels (``kernels/triton``), an Ascend NPU torch-npu's fused operators (``kernels/npu.py``), the CPU the torch
+reference path, which is also the fastest correct path there.
 
 Every op of a forward pass has a field named after its role (the projections too, although each is a plain
 ``F.linear`` today), so perf mode can time each role by swapping in ``ops.timed(timer)``: the plain ops stay raw
@@ -12,16 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import attrs
 import torch
 import torch.nn.functional as F
 
 from kernels import activation, attention, norm, rotary
-
-if TYPE_CHECKING:
-    from ksana.worker.attention_metadata import AttentionMetadata
 
 
 class OpTimer(Protocol):
@@ -67,7 +65,7 @@ class KernelOps:
             decode, prefill = attention.paged_decode_attention, attention.paged_prefill_attention
         wrapped = {field: timer.wrap(op, getattr(self, field)) for field, op in OPERATOR_OF_FIELD.items()}
         if decode is not None and prefill is not None:
-            wrapped["paged_attention"] = compose_paged_attention(
+            wrapped["paged_attention"] = attention.compose_paged_attention(
                 wrapped["store_kv_cache"],
                 timer.wrap("attention_decode", decode),
                 timer.wrap("attention_prefill", prefill),
@@ -108,36 +106,6 @@ def _timed_whole_attention(timer: OpTimer, paged_attention: Callable) -> Callabl
     return timed_paged_attention
 
 
-def compose_paged_attention(store_kv_cache: Callable, decode: Callable, prefill: Callable) -> Callable:
-    """``paged_attention`` built from its three steps (the same algorithm as ``attention.paged_attention``)."""
-
-    def paged_attention(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-        query_lens = meta.query_lens_list or meta.query_start_loc.diff().tolist()
-        seq_lens = meta.seq_lens_list or meta.seq_lens.tolist()
-        num_decodes = meta.num_decodes
-        outs = []
-        if num_decodes:
-            outs.append(decode(query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-                               meta.seq_lens[:num_decodes], scale, sliding_window, max(seq_lens[:num_decodes])))
-        start = num_decodes
-        for i in range(num_decodes, len(seq_lens)):
-            end = start + query_lens[i]
-            outs.append(prefill(query[start:end], key[start:end], value[start:end], k_cache, v_cache,
-                                meta.block_tables[i], seq_lens[i], scale, sliding_window))
-            start = end
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    return paged_attention
 
 
 TORCH_OPS = KernelOps(
