@@ -468,18 +468,8 @@ class EventLoop:
             except Exception as exc:
                 self._num_busy -= 1
                 if trace.capacity:
-                    trace.add(
-                        TraceRecord(
-                            env.route.type_name,
-                            env.sender,
-                            name,
-                            env.sent,
-                            started,
-                            clock.now(),
-                            reply is not None,
-                            f"{type(exc).__name__}: {exc}",
-                        )
-                    )
+                    trace.add(_record(env, name, started, clock.now(), reply is not None,
+                                      f"{type(exc).__name__}: {exc}"))
                 failure = ActorError(name, env.route.type_name, env.sender, exc)
                 if reply is not None:
                     reply.fail(ActorError(name, env.route.type_name, env.sender, exc))
@@ -490,18 +480,14 @@ class EventLoop:
                 raise
             self._num_busy -= 1
             if trace.capacity:
-                trace.add(
-                    TraceRecord(
-                        env.route.type_name,
-                        env.sender,
-                        name,
-                        env.sent,
-                        started,
-                        clock.now(),
-                        reply is not None,
-                    )
-                )
+                trace.add(_record(env, name, started, clock.now(), reply is not None))
             if reply is not None:
                 reply.resolve(result)
             if self._stopping and self._num_busy == 0:
                 self._quiesce()
+
+
+def _record(env, receiver: str, started: float, finished: float, is_request: bool,
+            error: str | None = None) -> TraceRecord:
+    """The trace entry of one handled message."""
+    return TraceRecord(env.route.type_name, env.sender, receiver, env.sent, started, finished, is_request, error)

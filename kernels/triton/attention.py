@@ -36,6 +36,29 @@ _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
 @triton.jit
+def _load_kv_tile(
+    table, pos, key_mask, dims, dim_mask, kv_head,
+    k_cache_ptr, v_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    BLOCK_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):
+    """One tile of keys and values at positions ``pos``, read through the block table (masked rows are 0)."""
+    blocks = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    slots = pos % BLOCK_SIZE
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    k = tl.load(
+        k_cache_ptr + blocks[:, None] * stride_kb + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(COMPUTE_DTYPE)
+    v = tl.load(
+        v_cache_ptr + blocks[:, None] * stride_vb + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(COMPUTE_DTYPE)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -91,27 +114,11 @@ def _decode_kernel(
     for start in range(first, seq_len, BLOCK_N):
         pos = start + offs_n
         key_mask = pos < seq_len
-        blocks = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        slots = pos % BLOCK_SIZE
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + blocks[:, None] * stride_kb
-            + slots[:, None] * stride_kt
-            + kv_head * stride_kh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(COMPUTE_DTYPE)
-        v = tl.load(
-            v_cache_ptr
-            + blocks[:, None] * stride_vb
-            + slots[:, None] * stride_vt
-            + kv_head * stride_vh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(COMPUTE_DTYPE)
+        k, v = _load_kv_tile(
+            table, pos, key_mask, dims, dim_mask, kv_head,
+            k_cache_ptr, v_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_SIZE, COMPUTE_DTYPE,
+        )
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one visible key (start < seq_len), so m_new is finite.
@@ -198,27 +205,11 @@ def _prefill_kernel(
     for start in range(first, end, BLOCK_N):
         pos = start + offs_n
         key_mask = pos < end
-        blocks = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        slots = pos % BLOCK_SIZE
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + blocks[:, None] * stride_kb
-            + slots[:, None] * stride_kt
-            + kv_head * stride_kh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(COMPUTE_DTYPE)
-        v = tl.load(
-            v_cache_ptr
-            + blocks[:, None] * stride_vb
-            + slots[:, None] * stride_vt
-            + kv_head * stride_vh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(COMPUTE_DTYPE)
+        k, v = _load_kv_tile(
+            table, pos, key_mask, dims, dim_mask, kv_head,
+            k_cache_ptr, v_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_SIZE, COMPUTE_DTYPE,
+        )
         visible = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
