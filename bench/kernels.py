@@ -1,6 +1,6 @@
-"""Kernel benchmark: each Triton kernel against its torch reference, against the device's measured ceilings.
+"""Kernel benchmark: each fast kernel against its torch reference, against the device's measured ceilings.
 
-    python bench/kernels.py              # CUDA: Triton and torch; elsewhere: the torch references only
+    python bench/kernels.py              # CUDA: Triton against torch; CPU: the native C kernels against torch
     python bench/kernels.py --quick      # shapes 8x smaller, fewer repeats: checks the script
 
 The ceilings are measured here, not quoted from a datasheet: a large device-to-device copy (bytes read plus
@@ -11,7 +11,8 @@ prefill attention reports FLOP/s of its QK^T and PV products over the visible (c
 heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 14336, 16-token blocks).
 
 Without CUDA the Triton kernels are not timed: the CPU can only run them in Triton's interpreter, which is
-four orders of magnitude slower than any real kernel, so its timings mean nothing.
+four orders of magnitude slower than any real kernel, so its timings mean nothing. The CPU's fast column is
+``kernels/cpu`` instead (C + OpenMP; prefill attention there is the reference's SDPA, so it times alike).
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ HIDDEN, INTERMEDIATE, BLOCK_SIZE = 4096, 14336, 16
 
 @attrs.frozen
 class Case:
-    """One op at one shape: the reference and (on CUDA) the Triton call, and the work each call must do."""
+    """One op at one shape: the reference and the fast kernel's call (Triton / native C), and the work it does."""
 
     op: str
     shape: str
     reference: Callable[[], object]
-    triton: Callable[[], object] | None
+    kernel: Callable[[], object] | None
     bytes: float = 0.0  # bytes the op must move (memory-bound ops)
     flops: float = 0.0  # FLOPs of the op (compute-bound ops)
 
@@ -150,8 +151,28 @@ def _visible_pairs(q_len: int, seq_len: int, window: int | None) -> int:
     return sum(min(context + i + 1, window or seq_len) for i in range(q_len))
 
 
+def _native_cpu_kernels() -> dict[str, Callable] | None:
+    from kernels.backends import cpu_ops
+    from kernels.cpu import load_library
+    from kernels.cpu.ops import NativeCPUOps
+
+    library = load_library()
+    if library is None:
+        return None
+    native = NativeCPUOps(library)
+    return {
+        "rms_norm": native.rms_norm,
+        "fused_add_rms_norm": native.fused_add_rms_norm,
+        "apply_rotary": native.apply_rotary,
+        "silu_and_mul": native.silu_and_mul,
+        "store_kv_cache": native.store_kv_cache,
+        "paged_decode_attention": native.paged_decode_attention,
+        "paged_attention": cpu_ops().paged_attention,
+    }
+
+
 def build_cases(device: torch.device, dtype: torch.dtype, quick: bool, with_triton: bool) -> list[Case]:
-    tr = None
+    tr = _native_cpu_kernels() if device.type == "cpu" else None
     if with_triton:
         from kernels.triton import activation as t_activation
         from kernels.triton import attention as t_attention
@@ -176,13 +197,13 @@ def build_cases(device: torch.device, dtype: torch.dtype, quick: bool, with_trit
     cases: list[Case] = []
 
     def add(op: str, shape: str, args: tuple, ref_fn: Callable, num_bytes: float = 0.0, flops: float = 0.0):
-        triton_fn = tr[op] if tr else None
+        kernel_fn = tr[op] if tr else None
         cases.append(
             Case(
                 op,
                 shape,
                 lambda: ref_fn(*args),
-                (lambda: triton_fn(*args)) if triton_fn else None,
+                (lambda: kernel_fn(*args)) if kernel_fn else None,
                 num_bytes,
                 flops,
             )
@@ -293,12 +314,12 @@ def main() -> None:
     with_triton = device.type == "cuda"
     if with_triton:
         os.environ.pop("TRITON_INTERPRET", None)
-        device_name = torch.cuda.get_device_name(device)
+        device_name, backend = torch.cuda.get_device_name(device), "triton"
     else:
         device_name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-        print(
-            "No CUDA device: timing the torch references only (Triton's CPU interpreter is not a benchmark)."
-        )
+        backend = "native" if _native_cpu_kernels() is not None else None
+        print("No CUDA device: the native C kernels against the torch references (Triton's CPU interpreter is "
+              "not a benchmark).")
     min_seconds, max_reps = (0.05, 10) if args.quick else (0.3, 100)
 
     ceilings = measure_ceilings(device, dtype, args.quick)
@@ -310,8 +331,8 @@ def main() -> None:
     with torch.inference_mode():
         for case in build_cases(device, dtype, args.quick, with_triton):
             ref_ms = time_ms(case.reference, device, min_seconds, max_reps)
-            tri_ms = time_ms(case.triton, device, min_seconds, max_reps) if case.triton else None
-            error = _max_error(case.reference(), case.triton()) if case.triton else None
+            tri_ms = time_ms(case.kernel, device, min_seconds, max_reps) if case.kernel else None
+            error = _max_error(case.reference(), case.kernel()) if case.kernel else None
             best_ms = min(ref_ms, tri_ms) if tri_ms is not None else ref_ms
             if case.flops:
                 achieved, unit = case.flops / best_ms / 1e9, "TFLOP/s"
@@ -324,7 +345,7 @@ def main() -> None:
                     "op": case.op,
                     "shape": case.shape,
                     "torch_ms": ref_ms,
-                    "triton_ms": tri_ms,
+                    "kernel_ms": tri_ms,
                     "speedup": ref_ms / tri_ms if tri_ms else None,
                     "achieved": achieved,
                     "unit": unit,
@@ -334,13 +355,14 @@ def main() -> None:
             )
 
     header = (
-        f"{'op':<24}{'shape':<40}{'torch ms':>10}{'triton ms':>11}{'speedup':>9}{'achieved':>18}{'% ceil':>8}"
+        f"{'op':<24}{'shape':<40}{'torch ms':>10}{(backend or 'kernel') + ' ms':>11}{'speedup':>9}{'achieved':>18}"
+        f"{'% ceil':>8}"
     )
     print("\n" + header + f"{'max err':>10}")
     for r in results:
         tri = (
-            f"{r['triton_ms']:>11.3f}{r['speedup']:>8.2f}x"
-            if r["triton_ms"] is not None
+            f"{r['kernel_ms']:>11.3f}{r['speedup']:>8.2f}x"
+            if r["kernel_ms"] is not None
             else f"{'-':>11}{'-':>9}"
         )
         err = f"{r['max_abs_error']:>10.2e}" if r["max_abs_error"] is not None else f"{'-':>10}"
@@ -351,7 +373,7 @@ def main() -> None:
     report = {
         "device": device_name,
         "dtype": str(dtype).removeprefix("torch."),
-        "triton_timed": with_triton,
+        "kernel_backend": backend,
         "torch": torch.__version__,
         "triton": _triton_version() if with_triton else None,
         "host": platform.node(),

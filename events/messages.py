@@ -5,8 +5,9 @@ The loop routes by type, so each type has exactly one handling actor:
 - cache manager: ``AllocateStepBlocks`` (request/reply), ``FreeRequestBlocks``, ``GetCacheStats`` (request/reply);
 - worker: ``ExecuteStep``;
 - I/O actor (or ModelPerfBackend, or the simulator's workload replayer): ``TokensOut``.
-A step costs a constant number of messages whatever the batch size: one block exchange, one ``ExecuteStep``, one
-``StepResult`` and one ``TokensOut``.
+A step costs a constant number of messages whatever the batch size: one ``ExecuteStep``, one ``StepResult``, one
+``TokensOut`` and at most one block exchange (none when the plan needs no new block and frees none; finished
+requests are freed by the next exchange's ``release``).
 """
 
 from __future__ import annotations

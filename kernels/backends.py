@@ -60,3 +60,35 @@ def npu_ops() -> KernelOps:
         paged_decode_attention=attention.paged_decode_attention,
         paged_prefill_attention=attention.paged_prefill_attention,
     )
+
+
+@functools.cache
+def cpu_ops() -> KernelOps:
+    """The native CPU kernels (``kernels/cpu``) for everything but the matmuls, ``rotary_cos_sin`` and prefill
+    attention (SDPA's flash kernel over the new tokens is already one fused call); the torch reference when the
+    library cannot be built. Attention keeps the reference's store/decode/prefill composition, with native store
+    and decode, so perf mode still times the two halves apart."""
+    from kernels.cpu import load_library
+
+    library = load_library()
+    if library is None:
+        from kernels.dispatch import TORCH_OPS
+
+        return TORCH_OPS
+    from kernels.cpu.ops import NativeCPUOps
+
+    native = NativeCPUOps(library)
+    return KernelOps(
+        name="cpu-native",
+        rms_norm=native.rms_norm,
+        fused_add_rms_norm=native.fused_add_rms_norm,
+        silu_and_mul=native.silu_and_mul,
+        rotary_cos_sin=rotary.rotary_cos_sin,
+        apply_rotary=native.apply_rotary,
+        store_kv_cache=native.store_kv_cache,
+        paged_attention=attention.compose_paged_attention(
+            native.store_kv_cache, native.paged_decode_attention, attention.paged_prefill_attention
+        ),
+        paged_decode_attention=native.paged_decode_attention,
+        paged_prefill_attention=attention.paged_prefill_attention,
+    )

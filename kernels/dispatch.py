@@ -1,8 +1,8 @@
 """The one place that picks kernel implementations per device.
 
 Models hold the ``KernelOps`` returned by ``get_ops(device)`` and call ops only through it: CUDA gets the Triton
-kernels (``kernels/triton``), an Ascend NPU torch-npu's fused operators (``kernels/npu.py``), the CPU the torch
-reference path, which is also the fastest correct path there.
+kernels (``kernels/triton``), an Ascend NPU torch-npu's fused operators (``kernels/npu.py``), the CPU native C
+kernels (``kernels/cpu``), falling back to the torch reference path when no compiler is there to build them.
 
 Every op of a forward pass has a field named after its role (the projections too, although each is a plain
 ``F.linear`` today), so perf mode can time each role by swapping in ``ops.timed(timer)``: the plain ops stay raw
@@ -106,8 +106,6 @@ def _timed_whole_attention(timer: OpTimer, paged_attention: Callable) -> Callabl
     return timed_paged_attention
 
 
-
-
 TORCH_OPS = KernelOps(
     name="torch",
     rms_norm=norm.rms_norm,
@@ -121,11 +119,10 @@ TORCH_OPS = KernelOps(
     paged_prefill_attention=attention.paged_prefill_attention,
 )
 
-_OPS_BY_DEVICE_TYPE = MappingProxyType({"cpu": TORCH_OPS})
-
 
 def get_ops(device: str | torch.device) -> KernelOps:
-    """CUDA → Triton kernels (when triton is installed), NPU → torch-npu's fused ops, anything else → torch."""
+    """CUDA → Triton kernels (when triton is installed), NPU → torch-npu's fused ops, CPU → native C kernels (when
+    they build), anything else → torch."""
     from kernels import backends  # lazy: backends imports this module; triton/torch_npu load only on demand
 
     device_type = torch.device(device).type
@@ -133,4 +130,6 @@ def get_ops(device: str | torch.device) -> KernelOps:
         return backends.triton_ops()
     if device_type == "npu":
         return backends.npu_ops()
-    return _OPS_BY_DEVICE_TYPE.get(device_type, TORCH_OPS)
+    if device_type == "cpu":
+        return backends.cpu_ops()
+    return TORCH_OPS

@@ -17,6 +17,30 @@ import tokenizers
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+def raw_tokenizer(tokenizer: Any) -> tokenizers.Tokenizer | None:
+    """The Rust ``tokenizers.Tokenizer`` whose ``decode`` equals ``tokenizer``'s (without the clean-up), or None.
+
+    A ``transformers`` fast tokenizer's ``decode`` is its backend's ``decode`` behind a Python wrapper that costs
+    several times the decode itself; each streamed token decodes twice, so the wrapper is skipped when the class
+    keeps the stock ``_decode`` (a subclass that overrides it keeps the wrapper).
+    """
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        return None
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as stock
+    except ImportError:  # transformers 4: the fast base class under its old name
+        try:
+            from transformers import PreTrainedTokenizerFast as stock
+        except ImportError:
+            return None
+    if getattr(type(tokenizer), "_decode", None) is not stock._decode:
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Accumulates one request's output text; the sum of `append` deltas plus `flush` is `decode(output_ids)`.
 
@@ -31,21 +55,20 @@ class IncrementalDetokenizer:
     ):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._is_raw = isinstance(tokenizer, tokenizers.Tokenizer)
+        self._raw = raw_tokenizer(tokenizer)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
         self._prefix_text = ""  # decode(output_token_ids[prefix_offset:read_offset]), kept until they move
-        self._chunks: list[str] = []
-        self._text_cache: str | None = ""
+        # The text so far, extended per emit: one copy of the text each time, where joining a list of chunks on
+        # each read (the output processor reads it per token) costs a pass over every chunk.
+        self._text = ""
 
     @property
     def text(self) -> str:
         """All output text finalised so far (the sum of the deltas returned)."""
-        if self._text_cache is None:
-            self._text_cache = "".join(self._chunks)
-        return self._text_cache
+        return self._text
 
     @property
     def num_pending_tokens(self) -> int:
@@ -74,15 +97,14 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.output_token_ids)
         self._prefix_text = self._decode(self.output_token_ids[self._prefix_offset : self._read_offset])
-        self._chunks.append(delta)
-        self._text_cache = None
+        self._text += delta
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        if self._is_raw:
-            return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        if self._raw is not None:
+            return self._raw.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             token_ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )

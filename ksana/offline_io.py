@@ -11,7 +11,12 @@ from ksana.request import InferRequest
 
 
 class OfflineIOActor(Actor):
-    """Collects every sequence until all are finished; a stop string match aborts the request in the scheduler."""
+    """Collects every sequence until all are finished; a stop string match aborts the request in the scheduler.
+
+    A sequence cut by a stop string counts as done only once the scheduler has let go of it (its abort's finish
+    delta, or the request's own finish if that came first): otherwise ``all_done`` could stop the loop with the
+    ``AbortRequest`` still queued, and the request would keep its blocks in the engine's persistent scheduler.
+    """
 
     name = "io"
 
@@ -20,6 +25,7 @@ class OfflineIOActor(Actor):
         self.num_unfinished = len(streams)
         self.all_done = trio.Event()
         self.on_finish = on_finish
+        self._aborting: set[str] = set()  # cut by a stop string; the scheduler has not confirmed yet
         if self.num_unfinished == 0:
             self.all_done.set()
 
@@ -30,14 +36,23 @@ class OfflineIOActor(Actor):
     async def on_tokens(self, msg: TokensOut) -> None:
         for delta in msg.deltas:
             stream = self.streams.get(delta.request_id)
-            if stream is None or stream.output.finished:
+            if stream is None:
+                continue
+            if stream.output.finished:
+                if delta.finish_reason is not None and delta.request_id in self._aborting:
+                    self._aborting.discard(delta.request_id)
+                    self._count_finished()
                 continue
             _text, stopped_by_string = stream.feed(delta)
-            if stopped_by_string:
+            if stopped_by_string and delta.finish_reason is None:
+                self._aborting.add(delta.request_id)
                 await self.send(AbortRequest(delta.request_id, reason="stop"))
-            if stream.output.finished:
-                self.num_unfinished -= 1
-                if self.on_finish is not None:
-                    self.on_finish()
-                if self.num_unfinished == 0:
-                    self.all_done.set()
+            elif stream.output.finished:
+                self._count_finished()
+
+    def _count_finished(self) -> None:
+        self.num_unfinished -= 1
+        if self.on_finish is not None:
+            self.on_finish()
+        if self.num_unfinished == 0:
+            self.all_done.set()

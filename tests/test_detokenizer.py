@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ksana.detokenizer import IncrementalDetokenizer
+from ksana.detokenizer import IncrementalDetokenizer, raw_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import PreTrainedTokenizerFast  # noqa: E402
@@ -159,3 +159,20 @@ def test_each_append_decodes_a_small_window(byte_level):
     detok, deltas = stream(counting, token_ids, [])
     assert "".join(deltas) == text
     assert max(counting.window_sizes) <= 8
+
+
+def test_fast_tokenizer_decodes_through_its_backend(byte_level):
+    assert raw_tokenizer(byte_level) is byte_level.backend_tokenizer
+    assert raw_tokenizer(byte_level.backend_tokenizer) is byte_level.backend_tokenizer
+    assert raw_tokenizer(CountingTokenizer(byte_level)) is None
+
+
+def test_a_tokenizer_that_overrides_decode_keeps_its_own(byte_level):
+    class Shouting(type(byte_level)):
+        def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=byte_level.backend_tokenizer, eos_token=EOS)
+    assert raw_tokenizer(shouting) is None
+    detok, deltas = stream(shouting, byte_level.encode("naïve café"), [])
+    assert "".join(deltas) == "NAÏVE CAFÉ"

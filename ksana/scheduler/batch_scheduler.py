@@ -59,6 +59,7 @@ class SchedulerOutput:
     rejected: list[RequestDelta] = attrs.field(factory=list)
     remote_loads: tuple[RemoteLoad, ...] = ()
     remote_saves: tuple[RemoteBlock, ...] = ()
+    num_new_blocks: int = 0  # blocks the plan needs beyond what its requests hold (from the scheduler's mirror)
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +157,7 @@ class BatchScheduler:
                 free += self._preempt(request, out)
                 break
             free -= need
+            out.num_new_blocks += need
             budget -= num_new
             out.scheduled.append(ScheduledRequest(request, num_new))
             i += 1
@@ -171,6 +173,7 @@ class BatchScheduler:
             if need > free:
                 break
             free -= need
+            out.num_new_blocks += need
             budget -= num_new
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -181,6 +184,12 @@ class BatchScheduler:
         if out.scheduled:
             self.stats.num_steps += 1
         return out
+
+    def needs_block_exchange(self, out: SchedulerOutput) -> bool:
+        """Whether the plan must go through the cache manager. Without the prefix cache a plan whose requests
+        all fit in the blocks they hold changes nothing there (most decode steps: a block lasts ``block_size``
+        steps), so the exchange is skipped; with it, every step tells the manager which blocks became full."""
+        return self.enable_prefix_cache or out.num_new_blocks > 0
 
     def block_demands(self, out: SchedulerOutput) -> tuple[BlockDemand, ...]:
         if not self.enable_prefix_cache:

@@ -1,8 +1,9 @@
 """The scheduler actor: turns arrivals and step results into the next step's plan.
 
 One step in flight at a time. A step is planned when the worker is free and there is work: the plan's blocks are
-requested from the cache manager in one exchange, the plan goes to the worker, and the worker's ``StepResult``
-triggers the update, the outputs to the I/O actor and the next plan.
+requested from the cache manager in one exchange (skipped when nothing there would change: no new block, nothing to
+release, no prefix cache), the plan goes to the worker, and the worker's ``StepResult`` triggers the update, the next
+plan, and then the outputs to the I/O actor.
 """
 
 from __future__ import annotations
@@ -77,16 +78,19 @@ class SchedulerActor(Actor):
 
     @handles(StepResult)
     async def on_step_result(self, msg: StepResult) -> None:
+        """Update, start the next step, then send this step's tokens: the I/O side's work (detokenization, client
+        writes) then runs beside the next forward pass instead of before it. The finished requests' blocks are
+        freed by the next step's block exchange (its ``release``), ahead of its demands."""
         out, self._in_flight = self._in_flight, None
         assert out is not None and msg.step_id == self._next_step_id - 1, "step result out of order"
         deltas, finished = self.scheduler.update(out, msg.sampled)
         if msg.remote_loaded:
             self.scheduler.note_remote_loaded(msg.remote_loaded)
-        if finished:
-            await self.send(FreeRequestBlocks(tuple(finished)))
-        if deltas:
-            await self.send(self._tokens_out(tuple(deltas)))
+        self._pending_release.extend(finished)
+        tokens_out = self._tokens_out(tuple(deltas)) if deltas else None  # the queue sizes as of this step
         await self._maybe_start_step()
+        if tokens_out is not None:
+            await self.send(tokens_out)
 
     async def _maybe_start_step(self) -> None:
         while self._in_flight is None and self.scheduler.has_unfinished:
@@ -99,15 +103,20 @@ class SchedulerActor(Actor):
                 if release:
                     await self.send(FreeRequestBlocks(release))
                 return
-            num_preempted = len(out.preempted)
-            reply = await self.request(AllocateStepBlocks(self.scheduler.block_demands(out), release=release))
-            self.scheduler.apply_blocks(out, reply)
-            # Requests preempted on a refusal still hold blocks in the manager: release them next time.
-            self._pending_release.extend(r.request_id for r in out.preempted[num_preempted:])
-            if not out.scheduled and not out.remote_loads:
-                continue
+            if release or self.scheduler.needs_block_exchange(out):
+                num_preempted = len(out.preempted)
+                reply = await self.request(AllocateStepBlocks(self.scheduler.block_demands(out), release=release))
+                self.scheduler.apply_blocks(out, reply)
+                # Requests preempted on a refusal still hold blocks in the manager: release them next time.
+                self._pending_release.extend(r.request_id for r in out.preempted[num_preempted:])
+                if not out.scheduled and not out.remote_loads:
+                    continue
             plan = StepPlan(step_id=self._next_step_id, rows=self.scheduler.build_rows(out),
                             remote_loads=out.remote_loads, remote_saves=out.remote_saves)
             self._next_step_id += 1
             self._in_flight = out
             await self.send(ExecuteStep(plan))
+        if self._in_flight is None and self._pending_release:  # no step to carry them: free them now
+            release = tuple(self._pending_release)
+            self._pending_release.clear()
+            await self.send(FreeRequestBlocks(release))

@@ -6,9 +6,12 @@ the worker actor calls ``execute`` from a thread.
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from events.messages import RemoteBlock, RemoteLoad, SampledToken, ScheduledRow, StepPlan, StepTimings
@@ -55,51 +58,65 @@ class ModelRunner:
 
     def _execute_rows(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
         t0 = time.perf_counter()
-        # Decode rows first: attention batches them in one pass.
-        rows = sorted(plan.rows, key=lambda row: row.num_new_tokens != 1)
+        rows = plan.rows
+        if any(row.num_new_tokens != 1 for row in rows):
+            # Decode rows first: attention batches them in one pass (stable, so decodes keep the plan's order).
+            rows = sorted(rows, key=lambda row: row.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare_inputs(rows)
+        sample_rows = [i for i, row in enumerate(rows) if row.do_sample]
+        # Each sampled row's last token; an all-decode step samples every row, so the hidden states as they are.
+        last_index = None
+        if len(sample_rows) != len(rows) or meta.num_decodes != len(rows):
+            ends = list(itertools.accumulate(meta.query_lens_list))
+            last_index = torch.tensor([ends[i] - 1 for i in sample_rows], dtype=torch.int64, device=self.device)
         t1 = time.perf_counter()
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
-            sample_rows = [i for i, row in enumerate(rows) if row.do_sample]
             if not sample_rows:
                 return {}, StepTimings(prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
-            last_index = meta.query_start_loc[1:][sample_rows] - 1
-            logits = self.model.compute_logits(hidden[last_index])
+            logits = self.model.compute_logits(hidden if last_index is None else hidden[last_index])
             t2 = time.perf_counter()
-            sampled = self.sample(logits, [rows[i] for i in sample_rows])
+            sampled = self.sample(logits, rows if last_index is None else [rows[i] for i in sample_rows])
         t3 = time.perf_counter()
         return sampled, StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
 
-    def prepare_inputs(self, rows: list[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(self, rows: Sequence[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's flat token ids, positions and attention metadata, from the rows (decode rows first).
+
+        Built in numpy and wrapped with ``torch.from_numpy``: a step's vectors are small, and a numpy call costs
+        about a microsecond where a torch op costs several, which at batch 16 is most of the preparation.
+        """
         block_size = self.block_size
+        num_rows = len(rows)
         query_lens = [row.num_new_tokens for row in rows]
-        seq_lens = [row.seq_len for row in rows]
-        max_blocks = max(len(row.block_ids) for row in rows)
-        tables = [list(row.block_ids) + [0] * (max_blocks - len(row.block_ids)) for row in rows]
-        token_list = [token for row in rows for token in row.token_ids]
+        seq_lens = [row.start_position + n for row, n in zip(rows, query_lens, strict=True)]
+        num_tokens = sum(query_lens)
+        block_tables = _padded_table([row.block_ids for row in rows], num_rows)
+        query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
 
-        input_ids = torch.tensor(token_list, dtype=torch.int64)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-        block_tables = torch.tensor(tables, dtype=torch.int64)
-        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-
-        # Position of every token: its row's first new position plus its offset inside the row.
-        row_index = torch.repeat_interleave(torch.arange(len(rows)), query_lens_t)
-        offsets = torch.arange(len(token_list)) - query_start_loc[:-1][row_index]
-        positions = (seq_lens_t - query_lens_t)[row_index] + offsets
+        if num_tokens == num_rows:  # all decodes: one token per row, at its last position
+            input_ids = np.fromiter((row.token_ids[0] for row in rows), dtype=np.int64, count=num_rows)
+            positions = np.array(seq_lens, dtype=np.int64) - 1
+            row_index = np.arange(num_rows)
+        else:
+            input_ids = np.fromiter(itertools.chain.from_iterable(row.token_ids for row in rows), dtype=np.int64,
+                                    count=num_tokens)
+            # Position of every token: its row's first new position plus its offset inside the row.
+            row_index = np.repeat(np.arange(num_rows), query_lens)
+            starts = np.array([row.start_position for row in rows], dtype=np.int64)
+            positions = np.arange(num_tokens, dtype=np.int64) + (starts - query_start_loc[:-1])[row_index]
         slot_mapping = block_tables[row_index, positions // block_size] * block_size + positions % block_size
 
         num_decodes = 0
-        while num_decodes < len(rows) and query_lens[num_decodes] == 1:
+        while num_decodes < num_rows and query_lens[num_decodes] == 1:
             num_decodes += 1
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            query_start_loc=query_start_loc.to(self.device),
-            seq_lens=seq_lens_t.to(self.device),
-            block_tables=block_tables.to(self.device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=torch.from_numpy(block_tables).to(device),
             block_size=block_size,
             num_decodes=num_decodes,
             max_seq_len=max(seq_lens),
@@ -108,22 +125,20 @@ class ModelRunner:
         )
         if self.kv_cache.num_swa_blocks:
             meta.swa = self._swa_metadata(rows, meta, row_index, positions)
-        return input_ids.to(self.device), positions.to(self.device), meta
+        return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta
 
-    def _swa_metadata(self, rows: list[ScheduledRow], meta: AttentionMetadata, row_index: torch.Tensor,
-                      positions: torch.Tensor) -> AttentionMetadata:
+    def _swa_metadata(self, rows: Sequence[ScheduledRow], meta: AttentionMetadata, row_index: np.ndarray,
+                      positions: np.ndarray) -> AttentionMetadata:
         """The sliding layers' view: SWA block ids (positions outside the window are -1, read as block 0 and
         masked), same sequences and lengths."""
         block_size = self.block_size
-        max_blocks = max(len(row.swa_block_ids) for row in rows)
-        tables = [[max(b, 0) for b in row.swa_block_ids] + [0] * (max_blocks - len(row.swa_block_ids))
-                  for row in rows]
-        block_tables = torch.tensor(tables, dtype=torch.int64)
+        block_tables = _padded_table([row.swa_block_ids for row in rows], len(rows))
+        np.maximum(block_tables, 0, out=block_tables)
         slot_mapping = block_tables[row_index, positions // block_size] * block_size + positions % block_size
-        return attrs.evolve(meta, slot_mapping=slot_mapping.to(self.device),
-                            block_tables=block_tables.to(self.device), swa=None)
+        return attrs.evolve(meta, slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+                            block_tables=torch.from_numpy(block_tables).to(self.device), swa=None)
 
-    def sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> dict[str, SampledToken]:
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> dict[str, SampledToken]:
         sampling_rows = [
             SamplingRow(
                 params=row.sampling_params,
@@ -140,3 +155,12 @@ class ModelRunner:
             row.request_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
             for i, row in enumerate(rows)
         }
+
+
+def _padded_table(tables: Sequence[Sequence[int]], num_rows: int) -> np.ndarray:
+    """int64 [num_rows, longest table], each row's block ids padded with 0."""
+    width = max(map(len, tables))
+    out = np.zeros((num_rows, width), dtype=np.int64)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = table
+    return out

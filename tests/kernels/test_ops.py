@@ -58,7 +58,7 @@ def test_silu_and_mul() -> None:
     torch.testing.assert_close(silu_and_mul(torch.cat([gate, up], dim=-1)), F.silu(gate) * up)
 
 
-def test_dispatch_maps_cpu_to_torch_and_cuda_to_triton() -> None:
-    assert get_ops("cpu") is TORCH_OPS
+def test_dispatch_maps_cpu_to_native_and_cuda_to_triton() -> None:
+    assert get_ops("cpu").name in ("cpu-native", "torch")  # native when a C compiler is there
     assert get_ops(torch.device("cuda", 1)).name == "triton"
     assert TORCH_OPS.rms_norm is rms_norm

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import attention
-from kernels.dispatch import TORCH_OPS, KernelOps
+from kernels.dispatch import TORCH_OPS, KernelOps, get_ops
 from ksana import LLM, SamplingParams
 from perf.csv_writer import csv_row
 from perf.operator_profiler import OPERATORS, OperatorProfiler
@@ -30,9 +30,10 @@ def _tokens(llm):
 
 def test_profiling_off_leaves_the_plain_kernels_in_place(llm):
     model = llm.engine.model
-    assert model.profiler is None and model.ops is TORCH_OPS
-    assert all(layer.ops is layer.self_attn.ops is layer.mlp.ops is TORCH_OPS for layer in model.layers)
-    assert TORCH_OPS.qkv_proj is torch.nn.functional.linear  # the raw builtin: no wrapper on the hot path
+    plain_ops = get_ops("cpu")
+    assert model.profiler is None and model.ops is plain_ops
+    assert all(layer.ops is layer.self_attn.ops is layer.mlp.ops is plain_ops for layer in model.layers)
+    assert plain_ops.qkv_proj is torch.nn.functional.linear  # the raw builtin: no wrapper on the hot path
 
 
 def test_timed_forward_gives_the_same_tokens_and_counts_every_op(llm):
@@ -41,12 +42,12 @@ def test_timed_forward_gives_the_same_tokens_and_counts_every_op(llm):
     profiler = OperatorProfiler("cpu", model.shape.num_layers)
     model.set_profiler(profiler)
     try:
-        assert model.ops.name == "torch+timed" and model.layers[1].mlp.ops is model.ops
+        assert model.ops.name == f"{get_ops('cpu').name}+timed" and model.layers[1].mlp.ops is model.ops
         timed = _tokens(llm)
         times = profiler.take()
     finally:
         model.set_profiler(None)
-    assert model.ops is TORCH_OPS
+    assert model.ops is get_ops("cpu")
     assert timed == plain
     num_forwards = times.calls["embedding"]
     assert num_forwards == times.calls["lm_head"] >= 6

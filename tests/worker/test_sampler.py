@@ -6,7 +6,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from ksana.sampling_params import SamplingParams
-from ksana.worker.sampler import Sampler, SamplingRow, generator_seed
+from ksana.worker.sampler import Sampler, SamplingRow, fast_argmax, generator_seed
 
 VOCAB = 64
 
@@ -246,3 +246,42 @@ def test_top_logprobs_sorted_and_correct():
 def test_rejects_mismatched_rows():
     with pytest.raises(ValueError):
         sampler(torch.zeros(2, VOCAB), [row()])
+
+
+@pytest.mark.parametrize("vocab", [1024, 1500, 2176, 4096, 32000, 49152, 50257, 151936])
+def test_fast_argmax_equals_argmax_on_random_rows(vocab):
+    """Chunks of 1024 (4096, 49152), 256 (32000) and 128 (2176, 151936); 1024 and the odd sizes fall back."""
+    logits = random_logits(16, vocab=vocab, seed=vocab)
+    assert torch.equal(fast_argmax(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [3072, 4096, 3200])
+def test_fast_argmax_ties_pick_the_first_index_within_and_across_chunks(vocab):
+    logits = torch.zeros(6, vocab)
+    logits[0, [5, 9, 2000]] = 2.0  # the first chunk holds two, a later chunk one
+    logits[1, [1030, 1031, 2999]] = 1.0  # none in the first chunk
+    logits[2, [2999]] = 7.0
+    logits[3, [vocab - 2, vocab - 1]] = 3.0
+    logits[4] = torch.randint(0, 3, (vocab,), generator=torch.Generator().manual_seed(1)).float()  # many ties
+    # row 5: all equal, so index 0
+    assert fast_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert fast_argmax(logits).tolist()[:4] == [5, 1030, 2999, vocab - 2]
+
+
+def test_fast_argmax_nan_and_minus_inf_rows_as_torch():
+    logits = random_logits(5, vocab=5120, seed=3)
+    logits[0, 4321] = float("nan")
+    logits[4, [700, 4000]] = float("nan")  # the first NaN wins, as in torch
+    logits[1] = float("-inf")
+    logits[2, 100:200] = float("inf")
+    assert torch.equal(fast_argmax(logits), logits.argmax(dim=-1))
+    assert fast_argmax(logits)[0].item() == 4321
+
+
+def test_greedy_batch_over_a_large_vocab_matches_argmax_and_log_softmax():
+    logits = random_logits(16, vocab=49152, seed=4)
+    out = sampler(logits, [row(temperature=0.0) for _ in range(16)])
+    expected = logits.argmax(dim=-1)
+    assert out.token_ids == expected.tolist()
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs == raw.gather(1, expected.unsqueeze(1)).squeeze(1).tolist()

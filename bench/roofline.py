@@ -1,0 +1,491 @@
+"""Decode against the roofline, prefill against ``transformers``, and the engine's overhead, in one run.
+
+1. Both ceilings of this machine, measured in the same run (before and after the decode runs, best of each):
+   read bandwidth (a large float32 tensor's ``sum``, and a matrix-vector product, on all threads) and the float32
+   matmul rate (a square GEMM).
+2. Decode at batch 1 and 16 (float32) through ``LLM.generate``: B prompts of a fixed context, ``ignore_eos``. Per
+   steady decode step (every row decoding, the full batch), the worker step (``ExecuteStep`` handling in the
+   event trace) and the whole step (from one ``ExecuteStep`` start to the next, and from one ``TokensOut`` to the
+   next) against the bound max(bytes read / bandwidth, FLOPs / matmul rate). Bytes: every weight once (the
+   lm_head as vocab x hidden, tied or not; the embedding lookup only its B rows) plus each sequence's KV; FLOPs:
+   2 x matmul parameters x tokens plus attention's 4 x kv_len x heads x head_dim per token and layer. Both come
+   from the model's ``ModelShape``.
+3. Prefill of one 512-token prompt: Ksana's prefill step (from the trace) against ``transformers``'
+   ``AutoModelForCausalLM`` forward of the same tokens (``logits_to_keep=1``, as its ``generate`` does), in
+   float32 and bfloat16, the two engines alternating run by run.
+4. Engine overhead at batch 16: each decode step's period split along its critical path (worker prepare /
+   forward / sample / dispatch, the ``StepResult`` queue, the scheduler's handling with the cache manager's
+   exchange inside it, the ``ExecuteStep`` queue); the I/O actor's ``TokensOut`` handling (detokenization) runs
+   while the next forward does, and is shown beside it.
+
+The trace holds message times only; the worker's ``StepTimings`` (prepare / forward / sample) are read by wrapping
+this engine's ``runner.execute`` (``StepRecorder``).
+
+    python bench/roofline.py            # smollm2: decode at contexts 128 and 512, prefill of 512 tokens
+    python bench/roofline.py --quick    # the demo model, small shapes: checks the script in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import orjson
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from events.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
+from events.trace import TraceRecord  # noqa: E402
+from ksana import LLM, SamplingParams  # noqa: E402
+from ksana.builtin import resolve_model_dir  # noqa: E402
+from ksana.models.shape import ModelShape  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@attrs.frozen
+class Settings:
+    model: str = "smollm2"
+    batches: tuple[int, ...] = (1, 16)
+    contexts: tuple[int, ...] = (128, 512)
+    decode_tokens: int = 32
+    skip_steps: int = 2  # first decode steps left out (allocator and caches warming)
+    prefill_len: int = 512
+    prefill_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    prefill_repeats: dict[str, int] = attrs.field(factory=lambda: {"float32": 7, "bfloat16": 5})
+    bandwidth_mib: int = 512
+    gemm_n: int = 2048
+    ceiling_repeats: int = 7
+
+
+QUICK = Settings(model="demo", batches=(1, 4), contexts=(16, 48), decode_tokens=8, prefill_len=64,
+                 prefill_repeats={"float32": 3, "bfloat16": 2}, bandwidth_mib=64, gemm_n=512, ceiling_repeats=3)
+
+
+# ---- ceilings -----------------------------------------------------------------------------------------------------
+def measure_read_bandwidth(mib: int, repeats: int) -> dict[str, Any]:
+    """Bytes/s reading ``mib`` MiB of float32 on all intra-op threads, best of repeats of two readers: a flat
+    ``sum`` and a matrix-vector product (the decode step's own access pattern); the faster one is the ceiling."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    matrix = x.view(1024, -1)
+    vector = torch.ones(matrix.shape[1])
+    readers = {"sum": x.sum, "mv": lambda: torch.mv(matrix, vector)}
+    best = {}
+    for name, fn in readers.items():
+        fn()
+        best[name] = min(_timed(fn) for _ in range(repeats))
+    best_s = min(best.values())
+    return {"bytes": x.numel() * 4, "best_s": best_s, "bytes_per_s": x.numel() * 4 / best_s,
+            "by_reader_bytes_per_s": {name: x.numel() * 4 / t for name, t in best.items()}}
+
+
+def measure_ceilings(settings: Settings) -> dict[str, Any]:
+    return {"read_bandwidth": measure_read_bandwidth(settings.bandwidth_mib, settings.ceiling_repeats),
+            "matmul": measure_matmul_rate(settings.gemm_n, settings.ceiling_repeats)}
+
+
+def best_ceilings(*runs: dict[str, Any]) -> dict[str, Any]:
+    """Per ceiling, the best of several measurements (the machine is shared: a slow one saw a neighbour)."""
+    return {"read_bandwidth": max((r["read_bandwidth"] for r in runs), key=lambda c: c["bytes_per_s"]),
+            "matmul": max((r["matmul"] for r in runs), key=lambda c: c["flop_per_s"])}
+
+
+def measure_matmul_rate(n: int, repeats: int) -> dict[str, float]:
+    """FLOP/s of an n x n x n float32 GEMM; best of repeats."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    best = min(_timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeats))
+    return {"n": n, "best_s": best, "flop_per_s": 2 * n**3 / best}
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+# ---- the roofline model -------------------------------------------------------------------------------------------
+def matmul_params(shape: ModelShape) -> int:
+    """Weights every token multiplies through: per layer q/k/v/o and the gated MLP, plus the lm_head."""
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    per_layer = shape.hidden_size * (2 * q + 2 * kv) + 3 * shape.hidden_size * shape.intermediate_size
+    return shape.num_layers * per_layer + shape.vocab_size * shape.hidden_size
+
+
+def decode_step_cost(shape: ModelShape, seq_lens: Sequence[int]) -> dict[str, float]:
+    """Bytes read and FLOPs of one decode step over sequences of these lengths (the new token included)."""
+    itemsize = shape.dtype.itemsize
+    batch = len(seq_lens)
+    norms = (2 * shape.num_layers + 1) * shape.hidden_size
+    weight_bytes = (matmul_params(shape) + norms + batch * shape.hidden_size) * itemsize
+    kv_lens = [min(n, w) if w is not None else n for w in shape.sliding_windows for n in seq_lens]
+    kv_bytes = sum(kv_lens) * shape.num_kv_heads * shape.head_dim * 2 * itemsize
+    attn_flops = 4 * sum(kv_lens) * shape.num_heads * shape.head_dim
+    flops = 2 * matmul_params(shape) * batch + attn_flops
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes": weight_bytes + kv_bytes, "flops": flops}
+
+
+def roofline_bound(cost: dict[str, float], bytes_per_s: float, flop_per_s: float) -> dict[str, float]:
+    memory_s = cost["bytes"] / bytes_per_s
+    compute_s = cost["flops"] / flop_per_s
+    return {"memory_s": memory_s, "compute_s": compute_s, "bound_s": max(memory_s, compute_s)}
+
+
+# ---- one traced generate ------------------------------------------------------------------------------------------
+@attrs.frozen
+class StepInfo:
+    step_id: int
+    num_tokens: int
+    seq_lens: tuple[int, ...]
+    is_decode: bool
+    timings: StepTimings
+
+
+class StepRecorder:
+    """Keeps each step's plan shape and ``StepTimings``: the trace carries message times, not message contents."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = llm.engine.runner
+        self._execute = self.runner.execute
+        self.runner.execute = self._record
+        self.steps: list[StepInfo] = []
+
+    def _record(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
+        sampled, timings = self._execute(plan)
+        self.steps.append(StepInfo(plan.step_id, plan.num_tokens, tuple(r.seq_len for r in plan.rows),
+                                   all(r.num_new_tokens == 1 for r in plan.rows), timings))
+        return sampled, timings
+
+
+@attrs.frozen
+class TracedRun:
+    records: list[TraceRecord]
+    steps: list[StepInfo]
+    elapsed_s: float
+    num_output_tokens: int
+
+
+def traced_generate(llm: LLM, recorder: StepRecorder, prompts: list[list[int]], max_tokens: int) -> TracedRun:
+    recorder.steps = []
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    num_out = sum(len(r.outputs[0].token_ids) for r in results)
+    assert num_out == max_tokens * len(prompts), "ignore_eos: every request makes exactly max_tokens"
+    trace = llm.last_trace
+    assert trace.num_evicted == 0, "the trace ring dropped records: raise its capacity or shorten the run"
+    return TracedRun(trace.records(), list(recorder.steps), elapsed, num_out)
+
+
+def random_prompts(vocab_size: int, count: int, length: int, rng: random.Random) -> list[list[int]]:
+    low = 256 if vocab_size > 1024 else 3  # skip special and byte tokens on a real vocabulary
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def _by_type(records: list[TraceRecord], name: str) -> list[TraceRecord]:
+    return [r for r in records if r.message_type == name]
+
+
+def step_breakdowns(run: TracedRun) -> list[dict[str, Any]]:
+    """Per step k that has a successor: its period (``ExecuteStep`` k start to k+1 start) cut along the critical
+    path, so the parts add up to the period exactly. ``io_s`` (``TokensOut`` handling in the period) runs beside
+    the worker and is not one of the parts."""
+    executes = _by_type(run.records, "ExecuteStep")
+    results = _by_type(run.records, "StepResult")
+    allocs = _by_type(run.records, "AllocateStepBlocks")
+    tokens_out = _by_type(run.records, "TokensOut")
+    assert len(executes) == len(run.steps) == len(results), "one ExecuteStep and one StepResult per step"
+    out = []
+    for k in range(len(executes) - 1):
+        ex, res, nxt = executes[k], results[k], executes[k + 1]
+        info = run.steps[k]
+        t = info.timings
+        alloc = next((a for a in allocs if res.started <= a.sent <= nxt.sent), None)
+        exchange_s = alloc.finished - alloc.sent if alloc is not None else 0.0
+        alloc_handling_s = alloc.handling_s if alloc is not None else 0.0
+        parts = {
+            "prepare_s": t.prepare_s,
+            "forward_s": t.forward_s,
+            "sample_s": t.sample_s,
+            "worker_dispatch_s": (res.sent - ex.started) - (t.prepare_s + t.forward_s + t.sample_s),
+            "step_result_queue_s": res.queue_s,
+            "scheduler_s": (nxt.sent - res.started) - exchange_s,
+            "cache_manager_s": alloc_handling_s,
+            "cache_exchange_wait_s": exchange_s - alloc_handling_s,
+            "execute_step_queue_s": nxt.queue_s,
+        }
+        io_s = sum(r.handling_s for r in tokens_out if ex.started <= r.started < nxt.started)
+        # This step's tokens leave while the scheduler handles its StepResult (before or after the next plan).
+        sent = [r.sent for r in tokens_out if r.sender == "scheduler" and res.started <= r.sent <= res.finished]
+        out.append({"step_id": info.step_id, "is_decode": info.is_decode, "seq_lens": info.seq_lens,
+                    "worker_step_s": ex.handling_s, "period_s": nxt.started - ex.started, "parts": parts,
+                    "io_s": io_s, "tokens_out_sent": sent[0] if sent else None})
+    return out
+
+
+# ---- decode -------------------------------------------------------------------------------------------------------
+def decode_bench(llm: LLM, recorder: StepRecorder, batch: int, context: int, num_tokens: int, skip_steps: int,
+                 rng: random.Random) -> dict[str, Any]:
+    """Times of the steady decode steps of one run; ``add_roofline`` sets them against the ceilings."""
+    shape = llm.engine.shape
+    prompts = random_prompts(shape.vocab_size, batch, context, rng)
+    run = traced_generate(llm, recorder, prompts, num_tokens + 1)
+    steady = [s for s in step_breakdowns(run) if s["is_decode"] and len(s["seq_lens"]) == batch][skip_steps:]
+    assert steady, "no steady decode steps: raise decode_tokens"
+    # The gap between consecutive steps' TokensOut: the step as a streaming client sees it.
+    wall_gaps = [b["tokens_out_sent"] - a["tokens_out_sent"] for a, b in zip(steady, steady[1:], strict=False)
+                 if a["tokens_out_sent"] is not None and b["tokens_out_sent"] is not None
+                 and b["step_id"] == a["step_id"] + 1]
+    return {
+        "batch": batch,
+        "context": context,
+        "num_steady_steps": len(steady),
+        "mean_seq_len": statistics.mean(statistics.mean(s["seq_lens"]) for s in steady),
+        "forward_s": statistics.median(s["parts"]["forward_s"] for s in steady),
+        "worker_step_s": statistics.median(s["worker_step_s"] for s in steady),
+        "step_s": statistics.median(s["period_s"] for s in steady),
+        "tokens_out_step_s": statistics.median(wall_gaps) if wall_gaps else None,
+        "generate_s": run.elapsed_s,
+        "steps": [{"seq_lens": list(s["seq_lens"]), "worker_step_s": s["worker_step_s"], "period_s": s["period_s"]}
+                  for s in steady],
+        "overhead": overhead_split(steady),
+    }
+
+
+def add_roofline(result: dict[str, Any], shape: ModelShape, ceilings: dict[str, Any]) -> None:
+    """Each step's bound from its own sequence lengths; medians of the bounds and of step/bound."""
+    bytes_per_s = ceilings["read_bandwidth"]["bytes_per_s"]
+    flop_per_s = ceilings["matmul"]["flop_per_s"]
+    steps = result["steps"]
+    bounds = [roofline_bound(decode_step_cost(shape, s["seq_lens"]), bytes_per_s, flop_per_s) for s in steps]
+    cost = decode_step_cost(shape, steps[len(steps) // 2]["seq_lens"])
+    bound = [b["bound_s"] for b in bounds]
+    period = [s["period_s"] for s in steps]
+    result.update({
+        "bytes_per_step": cost["bytes"],
+        "weight_bytes_per_step": cost["weight_bytes"],
+        "kv_bytes_per_step": cost["kv_bytes"],
+        "flops_per_step": cost["flops"],
+        "memory_s": statistics.median(b["memory_s"] for b in bounds),
+        "compute_s": statistics.median(b["compute_s"] for b in bounds),
+        "bound_s": statistics.median(bound),
+        "worker_ratio": statistics.median(s["worker_step_s"] / b for s, b in zip(steps, bound, strict=True)),
+        "step_ratio": statistics.median(p / b for p, b in zip(period, bound, strict=True)),
+        "pct_of_roofline": 100 * statistics.median(b / p for p, b in zip(period, bound, strict=True)),
+    })
+
+
+def overhead_split(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean seconds per part over the steps (means, so the parts add up to the mean period), and the shares."""
+    period = statistics.mean(s["period_s"] for s in steps)
+    parts = {name: statistics.mean(s["parts"][name] for s in steps) for name in steps[0]["parts"]}
+    outside = period - parts["forward_s"]
+    io = statistics.mean(s["io_s"] for s in steps)
+    return {
+        "period_s": period,
+        "parts": parts,
+        "io_tokens_out_s": io,
+        "outside_forward_s": outside,
+        "outside_forward_pct": 100 * outside / period,
+        "outside_forward_with_io_pct": 100 * (outside + io) / period,
+    }
+
+
+# ---- prefill ------------------------------------------------------------------------------------------------------
+def prefill_bench(llm: LLM, recorder: StepRecorder, length: int, repeats: int,
+                  rng: random.Random) -> dict[str, Any]:
+    """One ``length``-token prompt through both engines, alternating run by run (the machine is shared: a
+    neighbour then slows both sides alike), after one unmeasured run each; medians.
+
+    Ksana: the prefill step of ``generate`` with ``max_tokens=1`` (the worker's ``ExecuteStep`` handling in the
+    trace; its forward from ``StepTimings``; the whole call beside them). ``transformers``: the forward of the same
+    tokens with last-position logits only, what its ``generate`` asks for the first token.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_dir), dtype=llm.engine.dtype).eval()
+    vocab = llm.engine.shape.vocab_size
+    worker, forward, calls, hf_runs = [], [], [], []
+    for i in range(repeats + 1):
+        prompt = random_prompts(vocab, 1, length, rng)
+        run = traced_generate(llm, recorder, prompt, 1)
+        assert len(run.steps) == 1 and run.steps[0].num_tokens == length, "the prompt must prefill in one step"
+        with torch.inference_mode():
+            started = time.perf_counter()
+            hf_model(input_ids=torch.tensor(prompt), logits_to_keep=1)
+            hf_s = time.perf_counter() - started
+        if i:  # the first round warms up
+            worker.append(_by_type(run.records, "ExecuteStep")[0].handling_s)
+            forward.append(run.steps[0].timings.forward_s)
+            calls.append(run.elapsed_s)
+            hf_runs.append(hf_s)
+    del hf_model
+    gc.collect()
+    step, hf_step = statistics.median(worker), statistics.median(hf_runs)
+    ksana = {"worker_step_s": step, "best_s": min(worker), "forward_s": statistics.median(forward),
+             "generate_s": statistics.median(calls), "tok_s": length / step,
+             "generate_tok_s": length / statistics.median(calls), "runs_s": worker}
+    hf = {"forward_s": hf_step, "best_s": min(hf_runs), "tok_s": length / hf_step, "runs_s": hf_runs}
+    return {"prompt_len": length, "ksana": ksana, "hf": hf, "ratio": ksana["tok_s"] / hf["tok_s"],
+            "best_ratio": hf["best_s"] / ksana["best_s"]}
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+def run_bench(settings: Settings) -> dict[str, Any]:
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    report: dict[str, Any] = {
+        "model": settings.model,
+        "settings": attrs.asdict(settings),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_before": os.getloadavg()[0],  # the machine is shared: a busy one slows every figure
+    }
+    ceiling_runs = [measure_ceilings(settings)]  # again after the decode runs; the best of each counts
+
+    max_batch = max(settings.batches)
+    max_len = max(max(settings.contexts) + settings.decode_tokens, settings.prefill_len) + 2
+    step_tokens = max(max_batch * max(settings.contexts), settings.prefill_len)
+    prefill: dict[str, Any] = {}
+    for dtype_name in settings.prefill_dtypes:
+        llm = LLM(model=settings.model, dtype=dtype_name, max_batch_size=max_batch, max_step_tokens=step_tokens,
+                  max_token_len=max_len)
+        recorder = StepRecorder(llm)
+        if dtype_name == "float32":
+            traced_generate(llm, recorder, random_prompts(llm.engine.shape.vocab_size, 2, 16, rng), 4)  # warm-up
+            report["shape"] = {k: v for k, v in attrs.asdict(llm.engine.shape).items() if k != "dtype"}
+            shape = llm.engine.shape
+            decode = [decode_bench(llm, recorder, batch, context, settings.decode_tokens, settings.skip_steps, rng)
+                      for context in settings.contexts for batch in settings.batches]
+            ceiling_runs.append(measure_ceilings(settings))
+            report["ceilings"] = ceilings = best_ceilings(*ceiling_runs)
+            report["ceiling_runs"] = ceiling_runs
+            for d in decode:
+                add_roofline(d, shape, ceilings)
+            report["decode"] = decode
+        prefill[dtype_name] = prefill_bench(llm, recorder, settings.prefill_len,
+                                            settings.prefill_repeats[dtype_name], rng)
+        del llm, recorder
+        gc.collect()
+    report["prefill"] = prefill
+    if "ceilings" not in report:  # no float32 decode runs
+        report["ceilings"] = best_ceilings(*ceiling_runs)
+        report["ceiling_runs"] = ceiling_runs
+    report["load_average_after"] = os.getloadavg()[0]
+    report["overhead"] = {f"batch{d['batch']}_ctx{d['context']}": d["overhead"]
+                          for d in report.get("decode", []) if d["batch"] == max_batch}
+    return report
+
+
+# ---- tables -------------------------------------------------------------------------------------------------------
+OVERHEAD_ROWS = (
+    ("forward_s", "forward (model + lm_head)"),
+    ("prepare_s", "worker: build batch tensors"),
+    ("sample_s", "worker: sampling"),
+    ("worker_dispatch_s", "worker: thread hop, StepResult"),
+    ("step_result_queue_s", "StepResult queue"),
+    ("scheduler_s", "scheduler handling"),
+    ("cache_manager_s", "cache manager handling"),
+    ("cache_exchange_wait_s", "cache exchange queue + reply"),
+    ("execute_step_queue_s", "ExecuteStep queue"),
+)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    c = report["ceilings"]
+    bw = c["read_bandwidth"]
+    readers = ", ".join(f"{name} {v / 1e9:.1f}" for name, v in bw["by_reader_bytes_per_s"].items())
+    lines = [
+        f"model {report['model']}, torch {report['torch']}, {report['threads']} threads, load average "
+        f"{report['load_average_before']:.1f} before, {report['load_average_after']:.1f} after",
+        f"ceilings (best of {len(report['ceiling_runs'])} measurements): read {bw['bytes_per_s'] / 1e9:.1f} GB/s "
+        f"({bw['bytes'] / 2**20:.0f} MiB: {readers}), float32 matmul "
+        f"{c['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s ({c['matmul']['n']}^3 GEMM)",
+        "",
+        "decode, float32 (ms; medians over steady decode steps; bound = max(mem, flop))",
+        f"{'batch':>5}{'ctx':>6}{'MB/step':>9}{'GFLOP':>7}{'mem':>7}{'flop':>7}{'bound':>7}{'fwd':>7}"
+        f"{'worker':>8}{'step':>7}{'tok-out':>8}{'step/bound':>11}{'% roofline':>11}",
+    ]
+    for d in report.get("decode", []):
+        tok = d["tokens_out_step_s"]
+        lines.append(
+            f"{d['batch']:>5}{d['context']:>6}{d['bytes_per_step'] / 1e6:>9.1f}{d['flops_per_step'] / 1e9:>7.2f}"
+            f"{d['memory_s'] * 1e3:>7.1f}{d['compute_s'] * 1e3:>7.1f}{d['bound_s'] * 1e3:>7.1f}"
+            f"{d['forward_s'] * 1e3:>7.1f}{d['worker_step_s'] * 1e3:>8.1f}{d['step_s'] * 1e3:>7.1f}"
+            f"{(tok or 0) * 1e3:>8.1f}{d['step_ratio']:>10.2f}x{d['pct_of_roofline']:>10.0f}%"
+        )
+    lines += ["", f"prefill, one {next(iter(report['prefill'].values()))['prompt_len']}-token prompt "
+              "(medians of alternating runs; best/best: the fastest run of each)",
+              f"{'dtype':<10}{'ksana ms':>10}{'ksana tok/s':>13}{'generate tok/s':>16}{'hf ms':>9}"
+              f"{'hf tok/s':>10}{'ksana/hf':>10}{'best/best':>11}"]
+    for name, p in report["prefill"].items():
+        k, h = p["ksana"], p["hf"]
+        lines.append(f"{name:<10}{k['worker_step_s'] * 1e3:>10.1f}{k['tok_s']:>13.0f}{k['generate_tok_s']:>16.0f}"
+                     f"{h['forward_s'] * 1e3:>9.1f}{h['tok_s']:>10.0f}{p['ratio']:>9.2f}x{p['best_ratio']:>10.2f}x")
+    if report["overhead"]:
+        keys = list(report["overhead"])
+        lines += ["", "engine overhead per decode step (mean ms, % of the step period)",
+                  f"{'part':<34}" + "".join(f"{k:>22}" for k in keys)]
+        for part, label in OVERHEAD_ROWS:
+            cells = "".join(_cell(o["parts"][part], o["period_s"]) for o in report["overhead"].values())
+            lines.append(f"{label:<34}{cells}")
+        rows = (("period_s", "= step period"), ("outside_forward_s", "outside the forward"))
+        for key, label in rows:
+            lines.append(f"{label:<34}" + "".join(_cell(o[key], o["period_s"]) for o in report["overhead"].values()))
+        lines.append(f"{'I/O TokensOut (beside next fwd)':<34}"
+                     + "".join(_cell(o["io_tokens_out_s"], o["period_s"]) for o in report["overhead"].values()))
+        lines.append(f"{'outside forward + I/O':<34}"
+                     + "".join(f"{o['outside_forward_with_io_pct']:>21.1f}%" for o in report["overhead"].values()))
+    return "\n".join(lines)
+
+
+def _cell(seconds: float, period: float) -> str:
+    return f"{seconds * 1e3:>13.2f} ({100 * seconds / period:>5.1f}%)"
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the demo model, small shapes: checks the script")
+    parser.add_argument("--model", help="override the model (default smollm2; demo with --quick)")
+    parser.add_argument("--decode-tokens", type=int, help="decode steps per run")
+    parser.add_argument("--out", default=str(RESULTS / "roofline.json"))
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else Settings()
+    if args.model:
+        settings = attrs.evolve(settings, model=args.model)
+    if args.decode_tokens:
+        settings = attrs.evolve(settings, decode_tokens=args.decode_tokens)
+    resolve_model_dir(settings.model)  # fail early on an unknown model
+    report = run_bench(settings)
+    print(format_report(report))
+    write_report(report, Path(args.out))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Serving against offline: one workload through ``LLM.generate`` and through ``ksana serve`` + the load generator.
+
+The workload is ``bench/serve.py``'s random dataset (seeded token-id prompts, lengths drawn from ranges, greedy,
+``ignore_eos`` so every request gets exactly its output length). Offline, ``LLM.generate`` takes every prompt at
+once in this process. Online, a real ``ksana serve`` process on loopback (same model, same default settings) gets
+every request at once (request rate inf: saturation) from ``bench/serve.py``'s load generator, streamed, in this
+process. Both runs are warmed up first. The figure is output tokens/s over each run's wall time, and the ratio
+online / offline (the performance issue's target: at least 0.9).
+
+The machine is shared by the server, the load generator and the offline engine in turn: the offline engine is
+released before the server starts, and the load generator's own CPU time (parsing one SSE event per token) is
+part of what the online figure pays, as it is for any client on the same host.
+
+    python bench/serving_vs_offline.py            # smollm2: 64 requests, input 32-256, output 64-256 tokens
+    python bench/serving_vs_offline.py --quick    # the demo model, a few requests: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+RESULTS = Path(__file__).parent / "results"
+STARTUP_TIMEOUT_S = 300.0
+
+
+def load_serve_bench():
+    """``bench/serve.py`` as a module (``bench`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # attrs resolves the module's classes through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- offline ------------------------------------------------------------------------------------------------------
+def run_offline(model: str, workload, engine_args: dict[str, Any]) -> dict[str, Any]:
+    from ksana import LLM, SamplingParams
+
+    llm = LLM(model=model, **engine_args)
+    llm.generate([workload[0].prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+    started = time.perf_counter()
+    results = llm.generate([r.prompt for r in workload], params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    num_out = sum(len(r.outputs[0].token_ids) for r in results)
+    del llm, results
+    gc.collect()
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed}
+
+
+# ---- online -------------------------------------------------------------------------------------------------------
+class Server:
+    """``python -m ksana.cli serve --port 0``; ready once it prints the line with its URL."""
+
+    def __init__(self, model: str, engine_flags: list[str]) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="ksana-serve-", suffix=".log", delete=False)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.pop("KSANA_API_KEY", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ksana.cli", "--log-level", "WARNING", "serve", "--model", model, "--port", "0",
+             *engine_flags],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO, env=env)
+        self.url = self._read_url()
+
+    def _read_url(self) -> str:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(STARTUP_TIMEOUT_S)
+        text = line[0] if line else ""
+        if " at http://" not in text:
+            self.close()
+            raise RuntimeError(f"ksana serve did not start (printed {text!r}):\n{Path(self.log.name).read_text()}")
+        return text.rsplit(" at ", 1)[1].strip()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def run_online(serve_bench, model: str, workload, endpoint: str, engine_flags: list[str]) -> dict[str, Any]:
+    import httpx2
+    import trio
+
+    with Server(model, engine_flags) as server:
+        args = argparse.ArgumentParser()
+        serve_bench.add_arguments(args)
+        args = args.parse_args(["--base-url", server.url, "--endpoint", endpoint])
+        info = httpx2.get(server.url + "/v1/models", timeout=60).json()["data"][0]
+        warm = serve_bench.BenchRequest(workload[0].prompt, workload[0].prompt_len, 4)
+        trio.run(serve_bench.benchmark, args, [warm], info["id"])
+        results, duration = trio.run(serve_bench.benchmark, args, workload, info["id"])
+    summary = serve_bench.summarize(args, workload, results, duration, info["id"])
+    keep = ("duration", "completed", "failed", "total_output_tokens", "output_throughput", "mean_ttft_ms",
+            "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_itl_ms", "errors")
+    return {key: summary[key] for key in keep} | {"output_tok_s": summary["output_throughput"],
+                                                   "output_tokens": summary["total_output_tokens"]}
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+              endpoint: str = "/v1/completions", seed: int = 0, engine_flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Both runs of one workload; ``engine_flags`` are ``ksana serve`` flags of the shared config (``--max-batch-size
+    32``), given to the server as flags and to ``LLM`` as the same overrides."""
+    import torch
+
+    from ksana.builtin import resolve_model_dir
+    from ksana.models.shape import ModelShape
+
+    serve_bench = load_serve_bench()
+    engine_args = _flags_as_overrides(list(engine_flags))
+    from transformers import AutoConfig
+
+    vocab_size = ModelShape.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(model)),
+                                           torch.float32).vocab_size
+    workload = serve_bench.random_dataset(num_prompts, input_len, output_len, vocab_size, seed)
+    offline = run_offline(model, workload, engine_args)
+    online = run_online(serve_bench, model, workload, endpoint, list(engine_flags))
+    return {
+        "model": model,
+        "endpoint": endpoint,
+        "num_prompts": num_prompts,
+        "input_len": list(input_len),
+        "output_len": list(output_len),
+        "seed": seed,
+        "engine_flags": list(engine_flags),
+        "input_tokens": sum(r.prompt_len for r in workload),
+        "requested_output_tokens": sum(r.output_len for r in workload),
+        "offline": offline,
+        "online": online,
+        "ratio": online["output_tok_s"] / offline["output_tok_s"],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _flags_as_overrides(flags: list[str]) -> dict[str, Any]:
+    """``["--max-batch-size", "32"]`` -> ``{"max_batch_size": 32}`` (ints and floats parsed, else strings)."""
+    out: dict[str, Any] = {}
+    for name, value in zip(flags[::2], flags[1::2], strict=True):
+        key = name.removeprefix("--").replace("-", "_")
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    off, on = report["offline"], report["online"]
+    return "\n".join([
+        f"{report['model']}: {report['num_prompts']} requests, input {report['input_len']}, output "
+        f"{report['output_len']} tokens ({report['requested_output_tokens']} in all), {report['endpoint']}",
+        f"{'':<10}{'seconds':>10}{'out tokens':>12}{'out tok/s':>12}",
+        f"{'offline':<10}{off['seconds']:>10.2f}{off['output_tokens']:>12}{off['output_tok_s']:>12.1f}",
+        f"{'online':<10}{on['duration']:>10.2f}{on['output_tokens']:>12}{on['output_tok_s']:>12.1f}",
+        f"online / offline: {report['ratio']:.3f} (target >= 0.9); online mean TTFT {on['mean_ttft_ms']:.0f} ms, "
+        f"mean TPOT {on['mean_tpot_ms']:.1f} ms, {on['failed']} failed",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="default smollm2 (demo with --quick)")
+    parser.add_argument("--num-prompts", type=int, help="default 64 (8 with --quick)")
+    parser.add_argument("--input-len", help="LOW:HIGH, default 32:256 (8:32 with --quick)")
+    parser.add_argument("--output-len", help="LOW:HIGH, default 64:256 (4:16 with --quick)")
+    parser.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/generate"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="the demo model, 8 short requests: checks the script")
+    parser.add_argument("--out", help="result JSON (default bench/results/serving_vs_offline[_quick].json)")
+    args, engine_flags = parser.parse_known_args(argv)
+    defaults = ("demo", 8, "8:32", "4:16") if args.quick else ("smollm2", 64, "32:256", "64:256")
+    for name, default in zip(("model", "num_prompts", "input_len", "output_len"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    serve_bench = load_serve_bench()
+    report = run_bench(args.model, args.num_prompts, serve_bench.parse_range(args.input_len),
+                       serve_bench.parse_range(args.output_len), args.endpoint, args.seed, tuple(engine_flags))
+    print(format_report(report))
+    out = Path(args.out or RESULTS / f"serving_vs_offline{'_quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"wrote {out}")
+    return 0 if report["online"]["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Compile ``ksana_cpu.c`` once per source and CPU and load it with ctypes.
+
+The shared library is cached under ``$KSANA_CACHE_DIR/cpu-kernels-<key>`` (built in a temporary directory and
+renamed into place, so racing processes such as tensor-parallel ranks build it once); the key covers the source,
+the flags and the compiler, so an edit or another machine's CPU gets its own build. When no C compiler works,
+``load_library`` returns None and the CPU falls back to the torch reference ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("ksana_cpu.c")
+LIBRARY_NAME = "libksana_cpu.so"
+# "torch" forces the reference ops (to compare paths, or if the native build misbehaves); "portable" builds without
+# AVX2/FMA, i.e. the plain C fallback that other CPUs get.
+CPU_KERNELS_ENV = "KSANA_CPU_KERNELS"
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+# Argument types of each kernel (same for the _f32 and _bf16 variants).
+SIGNATURES: dict[str, tuple] = {
+    "rms_norm": (_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int),
+    "rotary_neox": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
+    "silu_and_mul": (_ptr, _i64, _ptr, _i64, _i64, _int),
+    "store_kv": (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64),
+    "paged_decode": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _int),
+}
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def compiler_flags() -> list[str]:
+    """-O3 with AVX2/FMA when torch reports the CPU has them; never -ffast-math, and no FMA contraction of
+    elementwise code, so rounding matches torch's eager ops (the attention loops use FMA explicitly)."""
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512") and os.environ.get(CPU_KERNELS_ENV) != "portable":
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build_key(compiler: str, flags: list[str]) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join([compiler, version, *flags]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(compiler: str, flags: list[str], directory: Path) -> None:
+    cmd = [compiler, *flags, "-o", str(directory / LIBRARY_NAME), str(SOURCE), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels with their argument types set, or None (no compiler, a failed build, or
+    ``KSANA_CPU_KERNELS=torch``); the reason is logged once."""
+    if os.environ.get(CPU_KERNELS_ENV, "native") == "torch":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: CPU runs the (slower) torch reference ops")
+        return None
+    from ksana.builtin.cache_dir import build_cached
+
+    flags = compiler_flags()
+    try:
+        directory = build_cached(f"cpu-kernels-{_build_key(compiler, flags)}",
+                                 lambda tmp: _compile(compiler, flags, tmp))
+        library = ctypes.CDLL(str(directory / LIBRARY_NAME))
+    except (OSError, RuntimeError) as error:
+        logger.warning("native CPU kernels unavailable, using torch reference ops: %s", error)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        for suffix in DTYPE_SUFFIX.values():
+            fn = getattr(library, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return library

@@ -1,0 +1,364 @@
+/* Native CPU kernels for the decoder's non-matmul ops (see kernels/cpu/__init__.py for why they exist).
+ *
+ * Plain C with OpenMP, loaded through ctypes: no Python headers, no torch headers, so it builds in about a
+ * second with the system compiler. Every op exists for float32 (suffix _f32) and bfloat16 (suffix _bf16, stored as
+ * uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even) at the points where torch's eager
+ * reference rounds, so both paths agree to the last bit in the elementwise ops and to float32 rounding error in
+ * the reductions.
+ *
+ * Threading: OpenMP regions use the libgomp that torch already loaded (same soname), so torch and these kernels
+ * share one thread pool; the caller passes torch's thread count.
+ */
+#include <math.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KSANA_AVX2 1
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+static inline float load_f32(const float *p) { return *p; }
+static inline float load_bf16(const bf16_t *p) { return bf16_to_f32(*p); }
+static inline void store_f32(float *p, float x) { *p = x; }
+static inline void store_bf16(bf16_t *p, float x) { *p = f32_to_bf16(x); }
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* Parallelise only work big enough to pay for waking the pool: a region costs microseconds on an idle machine
+ * but a scheduler time slice when another thread holds a core (the engine's event loop, a neighbour), so decode-
+ * sized elementwise ops stay on the calling thread, as torch's own grain size (32768) keeps them. */
+#define PARALLEL_MIN_ELEMS 65536
+#define PARALLEL_MIN_ATTENTION_WORK (1 << 20) /* context positions x query heads x head_dim */
+
+#ifdef KSANA_AVX2
+/* Sum each of eight vectors: [sum(a0), ..., sum(a7)]. */
+static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                            __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* e^x for x <= 0 (softmax arguments): 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (about one
+ * ulp); arguments below -87 give (nearly) zero. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT |
+                               _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const bf16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 round8_f32(__m256 x) { return x; }
+static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits (finite inputs) */
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* One (sequence, KV head) decode task, head_dim a multiple of 8: scores eight positions at a time (one
+ * accumulator per position, summed across lanes together), a vector exp, then P @ V with the output in
+ * registers, 64 dims at a time. `kv_rows[i]` is position i's K/V row offset (slot * row + kvh * dim). */
+#define DEFINE_DECODE_AVX2(SUF, T)                                                                              \
+    static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache, const int64_t *kv_rows, \
+                                       int64_t n, int64_t group, int64_t dim, float scale, float *scores,        \
+                                       T *out) {                                                                 \
+        for (int64_t g = 0; g < group; g++) {                                                                    \
+            const float *qg = qf + g * dim;                                                                      \
+            float *sg = scores + g * n;                                                                          \
+            __m256 vmax = _mm256_set1_ps(-INFINITY);                                                             \
+            int64_t i = 0;                                                                                       \
+            for (; i + 8 <= n; i += 8) {                                                                         \
+                const T *k0 = k_cache + kv_rows[i], *k1 = k_cache + kv_rows[i + 1];                              \
+                const T *k2 = k_cache + kv_rows[i + 2], *k3 = k_cache + kv_rows[i + 3];                          \
+                const T *k4 = k_cache + kv_rows[i + 4], *k5 = k_cache + kv_rows[i + 5];                          \
+                const T *k6 = k_cache + kv_rows[i + 6], *k7 = k_cache + kv_rows[i + 7];                          \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;  \
+                for (int64_t d = 0; d < dim; d += 8) {                                                           \
+                    __m256 qv = _mm256_loadu_ps(qg + d);                                                         \
+                    a0 = _mm256_fmadd_ps(qv, load8_##SUF(k0 + d), a0);                                          \
+                    a1 = _mm256_fmadd_ps(qv, load8_##SUF(k1 + d), a1);                                          \
+                    a2 = _mm256_fmadd_ps(qv, load8_##SUF(k2 + d), a2);                                          \
+                    a3 = _mm256_fmadd_ps(qv, load8_##SUF(k3 + d), a3);                                          \
+                    a4 = _mm256_fmadd_ps(qv, load8_##SUF(k4 + d), a4);                                          \
+                    a5 = _mm256_fmadd_ps(qv, load8_##SUF(k5 + d), a5);                                          \
+                    a6 = _mm256_fmadd_ps(qv, load8_##SUF(k6 + d), a6);                                          \
+                    a7 = _mm256_fmadd_ps(qv, load8_##SUF(k7 + d), a7);                                          \
+                }                                                                                                \
+                __m256 s = _mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale));         \
+                _mm256_storeu_ps(sg + i, s);                                                                     \
+                vmax = _mm256_max_ps(vmax, s);                                                                   \
+            }                                                                                                    \
+            float m = -INFINITY;                                                                                 \
+            for (; i < n; i++) {                                                                                 \
+                const T *k = k_cache + kv_rows[i];                                                               \
+                __m256 a = _mm256_setzero_ps();                                                                  \
+                for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8_##SUF(k + d), a); \
+                sg[i] = sum8(a) * scale;                                                                         \
+                if (sg[i] > m) m = sg[i];                                                                        \
+            }                                                                                                    \
+            float lanes[8];                                                                                      \
+            _mm256_storeu_ps(lanes, vmax);                                                                       \
+            for (int j = 0; j < 8; j++) if (lanes[j] > m) m = lanes[j];                                          \
+            /* exp and the normaliser (unrounded), then the weights as the dtype rounds them */                  \
+            __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();                                           \
+            float sum = 0.f;                                                                                     \
+            for (i = 0; i + 8 <= n; i += 8) {                                                                    \
+                __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));                          \
+                vsum = _mm256_add_ps(vsum, e);                                                                   \
+                _mm256_storeu_ps(sg + i, round8_##SUF(e));                                                       \
+            }                                                                                                    \
+            for (; i < n; i++) {                                                                                 \
+                float e = expf(sg[i] - m);                                                                       \
+                sum += e;                                                                                        \
+                sg[i] = round_##SUF(e);                                                                          \
+            }                                                                                                    \
+            sum += sum8(vsum);                                                                                   \
+            float inv = sum > 0.f ? 1.0f / sum : 0.f;                                                            \
+            T *o = out + g * dim;                                                                                \
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                           \
+                int64_t width = dim - d0 < 64 ? dim - d0 : 64;                                                  \
+                __m256 acc[8];                                                                                   \
+                for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();                                        \
+                if (width == 64) {                                                                               \
+                    for (int64_t j = 0; j < n; j++) {                                                            \
+                        const T *v = v_cache + kv_rows[j] + d0;                                                  \
+                        __m256 w = _mm256_set1_ps(sg[j]);                                                        \
+                        acc[0] = _mm256_fmadd_ps(w, load8_##SUF(v), acc[0]);                                    \
+                        acc[1] = _mm256_fmadd_ps(w, load8_##SUF(v + 8), acc[1]);                                \
+                        acc[2] = _mm256_fmadd_ps(w, load8_##SUF(v + 16), acc[2]);                               \
+                        acc[3] = _mm256_fmadd_ps(w, load8_##SUF(v + 24), acc[3]);                               \
+                        acc[4] = _mm256_fmadd_ps(w, load8_##SUF(v + 32), acc[4]);                               \
+                        acc[5] = _mm256_fmadd_ps(w, load8_##SUF(v + 40), acc[5]);                               \
+                        acc[6] = _mm256_fmadd_ps(w, load8_##SUF(v + 48), acc[6]);                               \
+                        acc[7] = _mm256_fmadd_ps(w, load8_##SUF(v + 56), acc[7]);                               \
+                    }                                                                                            \
+                } else {                                                                                         \
+                    for (int64_t j = 0; j < n; j++) {                                                            \
+                        const T *v = v_cache + kv_rows[j] + d0;                                                  \
+                        __m256 w = _mm256_set1_ps(sg[j]);                                                        \
+                        for (int c = 0; c < width / 8; c++)                                                      \
+                            acc[c] = _mm256_fmadd_ps(w, load8_##SUF(v + 8 * c), acc[c]);                         \
+                    }                                                                                            \
+                }                                                                                                \
+                for (int c = 0; c < width / 8; c++) {                                                            \
+                    float vals[8];                                                                               \
+                    _mm256_storeu_ps(vals, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));                          \
+                    for (int l = 0; l < 8; l++) store_##SUF(o + d0 + 8 * c + l, vals[l]);                        \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+DEFINE_DECODE_AVX2(f32, float)
+DEFINE_DECODE_AVX2(bf16, bf16_t)
+#endif
+
+#ifdef KSANA_AVX2
+/* silu(g) = g / (1 + e^-g), with e^-g from e^-|g| (or its inverse) so the exp argument is never positive. */
+static inline __m256 silu8(__m256 g) {
+    __m256 t = exp_nonpositive(_mm256_or_ps(_mm256_set1_ps(-0.0f), g)); /* e^-|g| */
+    t = _mm256_blendv_ps(t, _mm256_div_ps(_mm256_set1_ps(1.0f), t), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+}
+#define SILU_AND_MUL_AVX2(SUF)                                                                                  \
+    for (; j + 8 <= d; j += 8) {                                                                                \
+        __m256 prod = _mm256_mul_ps(round8_##SUF(silu8(load8_##SUF(g + j))), load8_##SUF(u + j));               \
+        float vals[8];                                                                                          \
+        _mm256_storeu_ps(vals, prod);                                                                           \
+        for (int l = 0; l < 8; l++) store_##SUF(o + j + l, vals[l]);                                            \
+    }
+#define DECODE_AVX2 1
+#define DECODE_TASK_AVX2(SUF) decode_task_avx2_##SUF
+#else
+#define SILU_AND_MUL_AVX2(SUF)
+#define DECODE_AVX2 0
+#define DECODE_TASK_AVX2(SUF) decode_task_scalar_##SUF
+#endif
+
+#define DEFINE_KERNELS(SUF, T)                                                                                  \
+    /* out = w * round(r * rsqrt(mean(r^2) + eps)), r = x (+ add, rounded, also written to residual_out). */    \
+    void rms_norm_##SUF(const T *x, int64_t x_stride, const T *add, T *residual_out, const T *w, T *out,        \
+                        int64_t rows, int64_t dim, float eps, int nthreads) {                                   \
+        _Pragma("omp parallel for num_threads(nthreads) if (rows * dim >= PARALLEL_MIN_ELEMS)")                 \
+        for (int64_t i = 0; i < rows; i++) {                                                                     \
+            const T *src = x + i * x_stride;                                                                     \
+            T *o = out + i * dim;                                                                                \
+            if (add) { /* the new residual, rounded as torch's add rounds; it is what gets normalised */         \
+                const T *ar = add + i * dim;                                                                     \
+                T *res = residual_out + i * dim;                                                                 \
+                for (int64_t d = 0; d < dim; d++) store_##SUF(res + d, load_##SUF(src + d) + load_##SUF(ar + d)); \
+                src = res;                                                                                       \
+            }                                                                                                    \
+            float ss = 0.f;                                                                                      \
+            _Pragma("omp simd reduction(+ : ss)")                                                                \
+            for (int64_t d = 0; d < dim; d++) ss += load_##SUF(src + d) * load_##SUF(src + d);                   \
+            float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                                     \
+            for (int64_t d = 0; d < dim; d++)                                                                    \
+                store_##SUF(o + d, load_##SUF(w + d) * round_##SUF(load_##SUF(src + d) * inv));                  \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* neox rotary: out[t, h] = round(round(x * cos) + round(rot(x) * sin)), rot(x) = [-x2, x1]. */             \
+    void rotary_neox_##SUF(const T *x, int64_t tok_stride, const T *cos, const T *sin, T *out, int64_t ntok,    \
+                           int64_t nheads, int64_t dim, int nthreads) {                                          \
+        int64_t half = dim / 2;                                                                                  \
+        _Pragma("omp parallel for num_threads(nthreads) if (ntok * nheads * dim >= PARALLEL_MIN_ELEMS)")        \
+        for (int64_t t = 0; t < ntok; t++) {                                                                     \
+            const T *c = cos + t * dim, *s = sin + t * dim;                                                      \
+            for (int64_t h = 0; h < nheads; h++) {                                                               \
+                const T *xh = x + t * tok_stride + h * dim;                                                      \
+                T *o = out + (t * nheads + h) * dim;                                                             \
+                for (int64_t d = 0; d < half; d++) {                                                             \
+                    float a = load_##SUF(xh + d), b = load_##SUF(xh + d + half);                                 \
+                    float c1 = load_##SUF(c + d), s1 = load_##SUF(s + d);                                        \
+                    float c2 = load_##SUF(c + d + half), s2 = load_##SUF(s + d + half);                          \
+                    store_##SUF(o + d, round_##SUF(a * c1) + round_##SUF(-b * s1));                              \
+                    store_##SUF(o + d + half, round_##SUF(b * c2) + round_##SUF(a * s2));                        \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* out[:, :d] = round(round(silu(gate)) * up) for x = [gate | up]. */                                        \
+    void silu_and_mul_##SUF(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t d, int nthreads) {     \
+        _Pragma("omp parallel for num_threads(nthreads) if (rows * d >= PARALLEL_MIN_ELEMS)")                   \
+        for (int64_t i = 0; i < rows; i++) {                                                                     \
+            const T *g = x + i * x_stride, *u = g + d;                                                           \
+            T *o = out + i * d;                                                                                  \
+            int64_t j = 0;                                                                                       \
+            SILU_AND_MUL_AVX2(SUF)                                                                               \
+            for (; j < d; j++) {                                                                                 \
+                float gv = load_##SUF(g + j);                                                                    \
+                float sv = round_##SUF(gv / (1.0f + expf(-gv)));                                                 \
+                store_##SUF(o + j, sv * load_##SUF(u + j));                                                      \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* Copy each token's K/V row (num_kv_heads * head_dim values) into its cache slot. */                        \
+    void store_kv_##SUF(const T *key, int64_t key_stride, const T *value, int64_t value_stride, T *k_cache,     \
+                        T *v_cache, const int64_t *slots, int64_t ntok, int64_t row) {                          \
+        for (int64_t t = 0; t < ntok; t++) {                                                                     \
+            memcpy(k_cache + slots[t] * row, key + t * key_stride, sizeof(T) * row);                             \
+            memcpy(v_cache + slots[t] * row, value + t * value_stride, sizeof(T) * row);                         \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* One (sequence, KV head) decode task in portable C: the fallback for other CPUs and head sizes. */         \
+    static void decode_task_scalar_##SUF(const float *qf, const T *k_cache, const T *v_cache,                   \
+                                         const int64_t *kv_rows, int64_t n, int64_t group, int64_t dim,          \
+                                         float scale, float *scores, T *out) {                                   \
+        for (int64_t g = 0; g < group; g++) {                                                                    \
+            const float *qg = qf + g * dim;                                                                      \
+            float *sg = scores + g * n, m = -INFINITY, sum = 0.f;                                                \
+            for (int64_t i = 0; i < n; i++) {                                                                    \
+                const T *k = k_cache + kv_rows[i];                                                               \
+                float dot = 0.f;                                                                                 \
+                _Pragma("omp simd reduction(+ : dot)")                                                           \
+                for (int64_t d = 0; d < dim; d++) dot = fmaf(qg[d], load_##SUF(k + d), dot);                     \
+                sg[i] = dot * scale;                                                                             \
+                if (sg[i] > m) m = sg[i];                                                                        \
+            }                                                                                                    \
+            for (int64_t i = 0; i < n; i++) {                                                                    \
+                float e = expf(sg[i] - m);                                                                       \
+                sum += e;                                                                                        \
+                sg[i] = round_##SUF(e);                                                                          \
+            }                                                                                                    \
+            float inv = sum > 0.f ? 1.0f / sum : 0.f;                                                            \
+            T *o = out + g * dim;                                                                                \
+            for (int64_t d = 0; d < dim; d++) {                                                                  \
+                float acc = 0.f;                                                                                 \
+                for (int64_t i = 0; i < n; i++) acc = fmaf(sg[i], load_##SUF(v_cache + kv_rows[i] + d), acc);   \
+                store_##SUF(o + d, acc * inv);                                                                   \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* One new token per sequence over its paged context. One task per (sequence, KV head): the task reads its  \
+     * head's keys and values once, for all query heads of the group. Two passes (scores, then the weighted sum  \
+     * of values) keep the softmax exact without rescaling. With window > 0 only the last `window` positions.   \
+     * As in SDPA's bf16 kernel, the unnormalised probabilities are rounded to bf16 before they weight V (the    \
+     * sum that normalises them is not), so bf16 models follow transformers' rounding.                          \
+     */                                                                                                          \
+    void paged_decode_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                   \
+                            const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, T *out,  \
+                            int64_t batch, int64_t nheads, int64_t nkv, int64_t dim, int64_t block_size,         \
+                            float scale, int64_t window, int nthreads) {                                         \
+        int64_t group = nheads / nkv;                                                                            \
+        int64_t row = nkv * dim;                                                                                 \
+        int64_t positions = 0;                                                                                   \
+        for (int64_t b = 0; b < batch; b++)                                                                      \
+            positions += (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];                            \
+        int parallel = positions * nheads * dim >= PARALLEL_MIN_ATTENTION_WORK;                                  \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (parallel)")                     \
+        for (int64_t task = 0; task < batch * nkv; task++) {                                                     \
+            int64_t b = task / nkv, kvh = task % nkv;                                                            \
+            int64_t len = seq_lens[b];                                                                           \
+            int64_t start = (window > 0 && len > window) ? len - window : 0;                                     \
+            int64_t n = len - start;                                                                             \
+            const int64_t *table = block_tables + b * table_stride;                                              \
+            float *qf = (float *)malloc(sizeof(float) * group * dim);                                            \
+            float *scores = (float *)malloc(sizeof(float) * group * (n > 0 ? n : 1));                            \
+            int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                             \
+            for (int64_t i = 0; i < n; i++) {                                                                    \
+                int64_t p = start + i;                                                                           \
+                kv_rows[i] = (table[p / block_size] * block_size + p % block_size) * row + kvh * dim;            \
+            }                                                                                                    \
+            for (int64_t g = 0; g < group; g++) {                                                                \
+                const T *qh = q + b * q_stride + (kvh * group + g) * dim;                                        \
+                for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = load_##SUF(qh + d);                          \
+            }                                                                                                    \
+            T *o = out + (b * nheads + kvh * group) * dim;                                                       \
+            if (DECODE_AVX2 && dim % 8 == 0)                                                                     \
+                DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, o);           \
+            else                                                                                                 \
+                decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, o);        \
+            free(qf);                                                                                            \
+            free(scores);                                                                                        \
+            free(kv_rows);                                                                                       \
+        }                                                                                                        \
+    }
+
+DEFINE_KERNELS(f32, float)
+DEFINE_KERNELS(bf16, bf16_t)

@@ -1,0 +1,125 @@
+"""``bench/roofline.py`` on the demo model: the report's structure and the arithmetic that ties its figures together.
+
+No timing thresholds: the machine is shared and the figures are the benchmark's business. What can fail here is
+the bookkeeping: a bound below one of its ceilings, a step split whose parts do not add up, a missing key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import attrs
+import orjson
+import pytest
+
+from ksana.models.shape import ModelShape
+
+REPO = Path(__file__).resolve().parents[2]
+# Smaller than --quick: two batch sizes at one context, a few decode steps, one or two prefill repeats.
+SETTINGS = dict(model="demo", batches=(1, 3), contexts=(24,), decode_tokens=6, skip_steps=1, prefill_len=32,
+                prefill_repeats={"float32": 2, "bfloat16": 1}, bandwidth_mib=16, gemm_n=256, ceiling_repeats=2)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_roofline_under_test", REPO / "bench" / "roofline.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # attrs resolves the module's classes through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def report(bench):
+    return bench.run_bench(bench.Settings(**SETTINGS))
+
+
+def test_ceilings_are_measured_and_positive(report):
+    c = report["ceilings"]
+    assert c["read_bandwidth"]["bytes_per_s"] > 0 and c["matmul"]["flop_per_s"] > 0
+    assert c["read_bandwidth"]["bytes"] == SETTINGS["bandwidth_mib"] * 2**20
+    assert c["matmul"]["n"] == SETTINGS["gemm_n"]
+
+
+def test_decode_rows_cover_every_batch_and_context_and_bound_each_ceiling(report):
+    decode = report["decode"]
+    assert sorted((d["batch"], d["context"]) for d in decode) == [(1, 24), (3, 24)]
+    bandwidth = report["ceilings"]["read_bandwidth"]["bytes_per_s"]
+    rate = report["ceilings"]["matmul"]["flop_per_s"]
+    for d in decode:
+        assert d["num_steady_steps"] >= 1
+        assert d["bound_s"] >= d["memory_s"] > 0 and d["bound_s"] >= d["compute_s"] > 0
+        # The middle step's cost divided by the ceilings lands between the first and last steps' bounds.
+        assert d["bytes_per_step"] / bandwidth == pytest.approx(d["memory_s"], rel=0.2)
+        assert d["flops_per_step"] / rate == pytest.approx(d["compute_s"], rel=0.2)
+        assert d["step_ratio"] > 0 and d["worker_ratio"] > 0
+        assert 0 < d["pct_of_roofline"]
+        assert d["pct_of_roofline"] == pytest.approx(100 / d["step_ratio"], rel=0.5)
+        assert 0 < d["forward_s"] <= d["worker_step_s"] <= d["step_s"]  # nested spans, per step and so in medians
+        # A decode step's sequences are past their prompt: context + 1 (first token) onwards.
+        assert d["mean_seq_len"] > d["context"]
+        assert d["tokens_out_step_s"] > 0, "one TokensOut per decode step, found in its StepResult's handling"
+
+
+def test_overhead_parts_add_up_to_the_step_and_stay_inside_it(report):
+    assert set(report["overhead"]) == {"batch3_ctx24"}
+    o = report["overhead"]["batch3_ctx24"]
+    parts = o["parts"]
+    assert set(parts) == {"prepare_s", "forward_s", "sample_s", "worker_dispatch_s", "step_result_queue_s",
+                          "scheduler_s", "cache_manager_s", "cache_exchange_wait_s", "execute_step_queue_s"}
+    assert math.fsum(parts.values()) == pytest.approx(o["period_s"], rel=1e-9, abs=1e-12)
+    for name, seconds in parts.items():
+        assert seconds >= 0, name
+    outside = o["period_s"] - parts["forward_s"]
+    assert o["outside_forward_s"] == pytest.approx(outside)
+    assert math.fsum(v for k, v in parts.items() if k != "forward_s") <= o["period_s"]
+    assert 0 < o["outside_forward_pct"] < 100
+    assert o["io_tokens_out_s"] > 0, "the I/O actor handles one TokensOut per step"
+    assert o["outside_forward_with_io_pct"] > o["outside_forward_pct"]
+
+
+def test_prefill_compares_both_dtypes_against_transformers(report):
+    assert set(report["prefill"]) == {"float32", "bfloat16"}
+    for name, p in report["prefill"].items():
+        assert p["prompt_len"] == SETTINGS["prefill_len"]
+        k, h = p["ksana"], p["hf"]
+        assert 0 < k["forward_s"] <= k["worker_step_s"] and k["tok_s"] == pytest.approx(32 / k["worker_step_s"])
+        assert h["tok_s"] == pytest.approx(32 / h["forward_s"]) and h["best_s"] <= h["forward_s"]
+        assert p["ratio"] == pytest.approx(k["tok_s"] / h["tok_s"])
+        assert len(k["runs_s"]) == len(h["runs_s"]) == SETTINGS["prefill_repeats"][name]
+        assert k["best_s"] <= k["worker_step_s"] and p["best_ratio"] == pytest.approx(h["best_s"] / k["best_s"])
+
+
+def test_step_cost_follows_the_shape(bench):
+    import torch
+
+    shape = ModelShape(model_type="llama", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                       intermediate_size=16, vocab_size=100, max_position_embeddings=64,
+                       sliding_windows=[None, 5], eos_token_ids=[], dtype=torch.float32)
+    # Per layer: q and o 8x8, k and v 8x4, MLP 3 x 8x16; plus the 100x8 lm_head.
+    assert bench.matmul_params(shape) == 2 * (2 * 64 + 2 * 32 + 3 * 128) + 800
+    cost = bench.decode_step_cost(shape, [10, 3])
+    kv_lens = 10 + 3 + 5 + 3  # the sliding layer reads at most its window
+    assert cost["kv_bytes"] == kv_lens * 1 * 4 * 2 * 4
+    assert cost["weight_bytes"] == (bench.matmul_params(shape) + 5 * 8 + 2 * 8) * 4  # norms, two embedding rows
+    assert cost["flops"] == 2 * bench.matmul_params(shape) * 2 + 4 * kv_lens * 2 * 4
+    bound = bench.roofline_bound(cost, bytes_per_s=1e3, flop_per_s=1e12)
+    assert bound["bound_s"] == bound["memory_s"] == cost["bytes"] / 1e3
+    half = bench.decode_step_cost(attrs.evolve(shape, dtype=torch.bfloat16), [10, 3])
+    assert half["bytes"] * 2 == cost["bytes"] and half["flops"] == cost["flops"]
+    slow = bench.roofline_bound(cost, bytes_per_s=1e12, flop_per_s=1.0)
+    assert slow["bound_s"] == slow["compute_s"] == cost["flops"] > slow["memory_s"]
+
+
+def test_report_is_written_as_json_with_its_keys(bench, report, tmp_path):
+    out = tmp_path / "results" / "roofline.json"
+    bench.write_report(report, out)
+    loaded = orjson.loads(out.read_bytes())
+    assert {"model", "ceilings", "shape", "decode", "prefill", "overhead", "settings", "threads"} <= set(loaded)
+    assert loaded["shape"]["num_layers"] == 2
+    text = bench.format_report(report)
+    for heading in ("ceilings (best of 2", "decode, float32", "prefill", "engine overhead"):
+        assert heading in text

@@ -1,0 +1,77 @@
+"""ModelRunner's batch preparation: the flat tokens, positions and attention metadata of a step's rows."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from events.messages import ScheduledRow
+from ksana.worker.model_runner import ModelRunner
+
+BLOCK = 4
+
+
+@attrs.define
+class StubCache:
+    block_size: int = BLOCK
+    num_swa_blocks: int = 0
+
+
+def runner(num_swa_blocks: int = 0) -> ModelRunner:
+    return ModelRunner(torch.nn.Identity(), StubCache(num_swa_blocks=num_swa_blocks))
+
+
+def row(rid: str, tokens, start: int, blocks, swa=()) -> ScheduledRow:
+    return ScheduledRow(request_id=rid, token_ids=tuple(tokens), start_position=start, block_ids=tuple(blocks),
+                        do_sample=True, swa_block_ids=tuple(swa))
+
+
+def reference(rows, tables):
+    """Token by token: its id, its position and its KV slot through the row's block table."""
+    ids, positions, slots = [], [], []
+    for r, table in zip(rows, tables, strict=True):
+        for offset, token in enumerate(r.token_ids):
+            pos = r.start_position + offset
+            ids.append(token)
+            positions.append(pos)
+            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+    return ids, positions, slots
+
+
+def test_decodes_then_prefills_flat_layout():
+    rows = [
+        row("a", [11], 9, [7, 3, 5]),  # decode at position 9: block 5, offset 1
+        row("b", [12], 0, [2]),  # decode of a one-token context
+        row("c", [13, 14, 15, 16, 17, 18], 2, [8, 1]),  # a prefill chunk over cached positions 0..1
+        row("d", [19, 20], 0, [6]),
+    ]
+    input_ids, positions, meta = runner().prepare_inputs(rows)
+    ids, pos, slots = reference(rows, [r.block_ids for r in rows])
+    assert input_ids.tolist() == ids and input_ids.dtype == torch.int64
+    assert positions.tolist() == pos
+    assert meta.slot_mapping.tolist() == slots
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 8, 10]
+    assert meta.seq_lens.tolist() == [10, 1, 8, 2] == meta.seq_lens_list
+    assert meta.query_lens_list == [1, 1, 6, 2]
+    assert meta.block_tables.tolist() == [[7, 3, 5], [2, 0, 0], [8, 1, 0], [6, 0, 0]]
+    assert meta.num_decodes == 2 and meta.max_seq_len == 10 and meta.swa is None
+    for t in (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, positions):
+        assert t.dtype == torch.int64
+
+
+def test_all_decode_step():
+    rows = [row(str(i), [100 + i], 2 * i + 1, [i, 10 + i, 20 + i]) for i in range(5)]
+    input_ids, positions, meta = runner().prepare_inputs(rows)
+    ids, pos, slots = reference(rows, [r.block_ids for r in rows])
+    assert (input_ids.tolist(), positions.tolist(), meta.slot_mapping.tolist()) == (ids, pos, slots)
+    assert meta.num_decodes == 5 and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_swa_view_uses_swa_blocks_with_outside_window_as_block_zero():
+    rows = [row("a", [1], 9, [7, 3, 5], swa=[-1, 4, 6]), row("b", [2, 3, 4], 0, [8], swa=[9])]
+    _, _, meta = runner(num_swa_blocks=16).prepare_inputs(rows)
+    swa_tables = [[0, 4, 6], [9]]
+    _, _, slots = reference(rows, swa_tables)
+    assert meta.swa.slot_mapping.tolist() == slots
+    assert meta.swa.block_tables.tolist() == [[0, 4, 6], [9, 0, 0]]
+    assert meta.swa.seq_lens_list == meta.seq_lens_list and meta.swa.num_decodes == 1
