@@ -96,97 +96,116 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* One (sequence, KV head) decode task, head_dim a multiple of 8: scores eight positions at a time (one
- * accumulator per position, summed across lanes together), a vector exp, then P @ V with the output in
- * registers, 64 dims at a time. `kv_rows[i]` is position i's K/V row offset (slot * row + kvh * dim). */
+/* One (sequence, KV head) decode task, head_dim a multiple of 8. Positions go in tiles of DECODE_TILE, and each
+ * tile serves every query head of the group while its K (then V) rows are in cache, so a long context is read from
+ * memory once, not once per head. Scores take eight positions at a time (one accumulator per position, summed
+ * across lanes together); the exp is vectorised; P @ V accumulates 64 dims at a time in registers, carried across
+ * tiles in `acc`. `kv_rows[i]` is position i's K/V row offset (slot * row + kvh * dim). */
+#define DECODE_TILE 128
 #define DEFINE_DECODE_AVX2(SUF, T)                                                                              \
     static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache, const int64_t *kv_rows, \
                                        int64_t n, int64_t group, int64_t dim, float scale, float *scores,        \
-                                       T *out) {                                                                 \
+                                       float *acc, T *out) {                                                     \
+        float maxs[group], sums[group];                                                                          \
+        for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;                                                 \
+        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
+            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
+            for (int64_t g = 0; g < group; g++) {                                                                \
+                const float *qg = qf + g * dim;                                                                  \
+                float *sg = scores + g * n;                                                                      \
+                __m256 vmax = _mm256_set1_ps(-INFINITY);                                                         \
+                int64_t i = t0;                                                                                  \
+                for (; i + 8 <= t1; i += 8) {                                                                    \
+                    const T *k0 = k_cache + kv_rows[i], *k1 = k_cache + kv_rows[i + 1];                          \
+                    const T *k2 = k_cache + kv_rows[i + 2], *k3 = k_cache + kv_rows[i + 3];                      \
+                    const T *k4 = k_cache + kv_rows[i + 4], *k5 = k_cache + kv_rows[i + 5];                      \
+                    const T *k6 = k_cache + kv_rows[i + 6], *k7 = k_cache + kv_rows[i + 7];                      \
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                    for (int64_t d = 0; d < dim; d += 8) {                                                       \
+                        __m256 qv = _mm256_loadu_ps(qg + d);                                                     \
+                        a0 = _mm256_fmadd_ps(qv, load8_##SUF(k0 + d), a0);                                      \
+                        a1 = _mm256_fmadd_ps(qv, load8_##SUF(k1 + d), a1);                                      \
+                        a2 = _mm256_fmadd_ps(qv, load8_##SUF(k2 + d), a2);                                      \
+                        a3 = _mm256_fmadd_ps(qv, load8_##SUF(k3 + d), a3);                                      \
+                        a4 = _mm256_fmadd_ps(qv, load8_##SUF(k4 + d), a4);                                      \
+                        a5 = _mm256_fmadd_ps(qv, load8_##SUF(k5 + d), a5);                                      \
+                        a6 = _mm256_fmadd_ps(qv, load8_##SUF(k6 + d), a6);                                      \
+                        a7 = _mm256_fmadd_ps(qv, load8_##SUF(k7 + d), a7);                                      \
+                    }                                                                                            \
+                    __m256 sc = _mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale));    \
+                    _mm256_storeu_ps(sg + i, sc);                                                                \
+                    vmax = _mm256_max_ps(vmax, sc);                                                              \
+                }                                                                                                \
+                float m = maxs[g];                                                                               \
+                for (; i < t1; i++) {                                                                            \
+                    const T *k = k_cache + kv_rows[i];                                                           \
+                    __m256 a = _mm256_setzero_ps();                                                              \
+                    for (int64_t d = 0; d < dim; d += 8)                                                         \
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8_##SUF(k + d), a);                     \
+                    sg[i] = sum8(a) * scale;                                                                     \
+                    if (sg[i] > m) m = sg[i];                                                                    \
+                }                                                                                                \
+                float lanes[8];                                                                                  \
+                _mm256_storeu_ps(lanes, vmax);                                                                   \
+                for (int j = 0; j < 8; j++) if (lanes[j] > m) m = lanes[j];                                      \
+                maxs[g] = m;                                                                                     \
+            }                                                                                                    \
+        }                                                                                                        \
+        /* exp and the normaliser (unrounded), then the weights as the dtype rounds them */                      \
         for (int64_t g = 0; g < group; g++) {                                                                    \
-            const float *qg = qf + g * dim;                                                                      \
             float *sg = scores + g * n;                                                                          \
-            __m256 vmax = _mm256_set1_ps(-INFINITY);                                                             \
+            __m256 vm = _mm256_set1_ps(maxs[g]), vsum = _mm256_setzero_ps();                                     \
+            float sum = 0.f;                                                                                     \
             int64_t i = 0;                                                                                       \
             for (; i + 8 <= n; i += 8) {                                                                         \
-                const T *k0 = k_cache + kv_rows[i], *k1 = k_cache + kv_rows[i + 1];                              \
-                const T *k2 = k_cache + kv_rows[i + 2], *k3 = k_cache + kv_rows[i + 3];                          \
-                const T *k4 = k_cache + kv_rows[i + 4], *k5 = k_cache + kv_rows[i + 5];                          \
-                const T *k6 = k_cache + kv_rows[i + 6], *k7 = k_cache + kv_rows[i + 7];                          \
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;  \
-                for (int64_t d = 0; d < dim; d += 8) {                                                           \
-                    __m256 qv = _mm256_loadu_ps(qg + d);                                                         \
-                    a0 = _mm256_fmadd_ps(qv, load8_##SUF(k0 + d), a0);                                          \
-                    a1 = _mm256_fmadd_ps(qv, load8_##SUF(k1 + d), a1);                                          \
-                    a2 = _mm256_fmadd_ps(qv, load8_##SUF(k2 + d), a2);                                          \
-                    a3 = _mm256_fmadd_ps(qv, load8_##SUF(k3 + d), a3);                                          \
-                    a4 = _mm256_fmadd_ps(qv, load8_##SUF(k4 + d), a4);                                          \
-                    a5 = _mm256_fmadd_ps(qv, load8_##SUF(k5 + d), a5);                                          \
-                    a6 = _mm256_fmadd_ps(qv, load8_##SUF(k6 + d), a6);                                          \
-                    a7 = _mm256_fmadd_ps(qv, load8_##SUF(k7 + d), a7);                                          \
-                }                                                                                                \
-                __m256 s = _mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale));         \
-                _mm256_storeu_ps(sg + i, s);                                                                     \
-                vmax = _mm256_max_ps(vmax, s);                                                                   \
-            }                                                                                                    \
-            float m = -INFINITY;                                                                                 \
-            for (; i < n; i++) {                                                                                 \
-                const T *k = k_cache + kv_rows[i];                                                               \
-                __m256 a = _mm256_setzero_ps();                                                                  \
-                for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8_##SUF(k + d), a); \
-                sg[i] = sum8(a) * scale;                                                                         \
-                if (sg[i] > m) m = sg[i];                                                                        \
-            }                                                                                                    \
-            float lanes[8];                                                                                      \
-            _mm256_storeu_ps(lanes, vmax);                                                                       \
-            for (int j = 0; j < 8; j++) if (lanes[j] > m) m = lanes[j];                                          \
-            /* exp and the normaliser (unrounded), then the weights as the dtype rounds them */                  \
-            __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();                                           \
-            float sum = 0.f;                                                                                     \
-            for (i = 0; i + 8 <= n; i += 8) {                                                                    \
                 __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));                          \
                 vsum = _mm256_add_ps(vsum, e);                                                                   \
                 _mm256_storeu_ps(sg + i, round8_##SUF(e));                                                       \
             }                                                                                                    \
             for (; i < n; i++) {                                                                                 \
-                float e = expf(sg[i] - m);                                                                       \
+                float e = expf(sg[i] - maxs[g]);                                                                 \
                 sum += e;                                                                                        \
                 sg[i] = round_##SUF(e);                                                                          \
             }                                                                                                    \
-            sum += sum8(vsum);                                                                                   \
-            float inv = sum > 0.f ? 1.0f / sum : 0.f;                                                            \
-            T *o = out + g * dim;                                                                                \
-            for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                           \
-                int64_t width = dim - d0 < 64 ? dim - d0 : 64;                                                  \
-                __m256 acc[8];                                                                                   \
-                for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();                                        \
-                if (width == 64) {                                                                               \
-                    for (int64_t j = 0; j < n; j++) {                                                            \
-                        const T *v = v_cache + kv_rows[j] + d0;                                                  \
-                        __m256 w = _mm256_set1_ps(sg[j]);                                                        \
-                        acc[0] = _mm256_fmadd_ps(w, load8_##SUF(v), acc[0]);                                    \
-                        acc[1] = _mm256_fmadd_ps(w, load8_##SUF(v + 8), acc[1]);                                \
-                        acc[2] = _mm256_fmadd_ps(w, load8_##SUF(v + 16), acc[2]);                               \
-                        acc[3] = _mm256_fmadd_ps(w, load8_##SUF(v + 24), acc[3]);                               \
-                        acc[4] = _mm256_fmadd_ps(w, load8_##SUF(v + 32), acc[4]);                               \
-                        acc[5] = _mm256_fmadd_ps(w, load8_##SUF(v + 40), acc[5]);                               \
-                        acc[6] = _mm256_fmadd_ps(w, load8_##SUF(v + 48), acc[6]);                               \
-                        acc[7] = _mm256_fmadd_ps(w, load8_##SUF(v + 56), acc[7]);                               \
+            sums[g] = sum + sum8(vsum);                                                                          \
+        }                                                                                                        \
+        memset(acc, 0, sizeof(float) * group * dim);                                                             \
+        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
+            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
+            for (int64_t g = 0; g < group; g++) {                                                                \
+                const float *sg = scores + g * n;                                                                \
+                for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                       \
+                    int64_t chunks = (dim - d0 < 64 ? dim - d0 : 64) / 8;                                        \
+                    float *ag = acc + g * dim + d0;                                                              \
+                    __m256 r[8];                                                                                 \
+                    for (int c = 0; c < chunks; c++) r[c] = _mm256_loadu_ps(ag + 8 * c);                         \
+                    if (chunks == 8) {                                                                           \
+                        for (int64_t j = t0; j < t1; j++) {                                                      \
+                            const T *v = v_cache + kv_rows[j] + d0;                                              \
+                            __m256 w = _mm256_set1_ps(sg[j]);                                                    \
+                            r[0] = _mm256_fmadd_ps(w, load8_##SUF(v), r[0]);                                    \
+                            r[1] = _mm256_fmadd_ps(w, load8_##SUF(v + 8), r[1]);                                \
+                            r[2] = _mm256_fmadd_ps(w, load8_##SUF(v + 16), r[2]);                               \
+                            r[3] = _mm256_fmadd_ps(w, load8_##SUF(v + 24), r[3]);                               \
+                            r[4] = _mm256_fmadd_ps(w, load8_##SUF(v + 32), r[4]);                               \
+                            r[5] = _mm256_fmadd_ps(w, load8_##SUF(v + 40), r[5]);                               \
+                            r[6] = _mm256_fmadd_ps(w, load8_##SUF(v + 48), r[6]);                               \
+                            r[7] = _mm256_fmadd_ps(w, load8_##SUF(v + 56), r[7]);                               \
+                        }                                                                                        \
+                    } else {                                                                                     \
+                        for (int64_t j = t0; j < t1; j++) {                                                      \
+                            const T *v = v_cache + kv_rows[j] + d0;                                              \
+                            __m256 w = _mm256_set1_ps(sg[j]);                                                    \
+                            for (int c = 0; c < chunks; c++) r[c] = _mm256_fmadd_ps(w, load8_##SUF(v + 8 * c), r[c]); \
+                        }                                                                                        \
                     }                                                                                            \
-                } else {                                                                                         \
-                    for (int64_t j = 0; j < n; j++) {                                                            \
-                        const T *v = v_cache + kv_rows[j] + d0;                                                  \
-                        __m256 w = _mm256_set1_ps(sg[j]);                                                        \
-                        for (int c = 0; c < width / 8; c++)                                                      \
-                            acc[c] = _mm256_fmadd_ps(w, load8_##SUF(v + 8 * c), acc[c]);                         \
-                    }                                                                                            \
-                }                                                                                                \
-                for (int c = 0; c < width / 8; c++) {                                                            \
-                    float vals[8];                                                                               \
-                    _mm256_storeu_ps(vals, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));                          \
-                    for (int l = 0; l < 8; l++) store_##SUF(o + d0 + 8 * c + l, vals[l]);                        \
+                    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(ag + 8 * c, r[c]);                         \
                 }                                                                                                \
             }                                                                                                    \
+        }                                                                                                        \
+        for (int64_t g = 0; g < group; g++) {                                                                    \
+            float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;                                                    \
+            for (int64_t d = 0; d < dim; d++) store_##SUF(out + g * dim + d, acc[g * dim + d] * inv);            \
         }                                                                                                        \
     }
 
@@ -288,7 +307,8 @@ static inline __m256 silu8(__m256 g) {
     /* One (sequence, KV head) decode task in portable C: the fallback for other CPUs and head sizes. */         \
     static void decode_task_scalar_##SUF(const float *qf, const T *k_cache, const T *v_cache,                   \
                                          const int64_t *kv_rows, int64_t n, int64_t group, int64_t dim,          \
-                                         float scale, float *scores, T *out) {                                   \
+                                         float scale, float *scores, float *acc, T *out) {                       \
+        (void)acc; /* the scalar path accumulates one output at a time */                                        \
         for (int64_t g = 0; g < group; g++) {                                                                    \
             const float *qg = qf + g * dim;                                                                      \
             float *sg = scores + g * n, m = -INFINITY, sum = 0.f;                                                \
@@ -341,6 +361,7 @@ static inline __m256 silu8(__m256 g) {
             float *qf = (float *)malloc(sizeof(float) * group * dim);                                            \
             float *scores = (float *)malloc(sizeof(float) * group * (n > 0 ? n : 1));                            \
             int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                             \
+            float *acc = (float *)malloc(sizeof(float) * group * dim);                                           \
             for (int64_t i = 0; i < n; i++) {                                                                    \
                 int64_t p = start + i;                                                                           \
                 kv_rows[i] = (table[p / block_size] * block_size + p % block_size) * row + kvh * dim;            \
@@ -351,12 +372,13 @@ static inline __m256 silu8(__m256 g) {
             }                                                                                                    \
             T *o = out + (b * nheads + kvh * group) * dim;                                                       \
             if (DECODE_AVX2 && dim % 8 == 0)                                                                     \
-                DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, o);           \
+                DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, acc, o);      \
             else                                                                                                 \
-                decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, o);        \
+                decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, acc, o);   \
             free(qf);                                                                                            \
             free(scores);                                                                                        \
             free(kv_rows);                                                                                       \
+            free(acc);                                                                                           \
         }                                                                                                        \
     }
 
