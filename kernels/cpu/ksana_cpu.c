@@ -1,10 +1,11 @@
 /* Native CPU kernels for the decoder's non-matmul ops (see kernels/cpu/__init__.py for why they exist).
  *
- * Plain C with OpenMP, loaded through ctypes: no Python headers, no torch headers, so it builds in about a
- * second with the system compiler. Every op exists for float32 (suffix _f32) and bfloat16 (suffix _bf16, stored as
- * uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even) at the points where torch's eager
- * reference rounds, so both paths agree to the last bit in the elementwise ops and to float32 rounding error in
- * the reductions.
+ * C with OpenMP, loaded through ctypes: no Python headers, no torch headers, so it builds in about a second with
+ * the system compiler. Decode attention and SiLU use AVX2/FMA intrinsics when the build targets them (see
+ * kernels/cpu/build.py); every op also has a portable C path. Every op exists for float32 (suffix _f32) and
+ * bfloat16 (suffix _bf16, stored as uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even)
+ * at the points where torch's eager reference rounds, so both paths agree to the last bit in the elementwise ops
+ * other than SiLU (whose exp differs by an ulp) and to float32 rounding error in the reductions.
  *
  * Threading: OpenMP regions use the libgomp that torch already loaded (same soname), so torch and these kernels
  * share one thread pool; the caller passes torch's thread count.
