@@ -97,30 +97,32 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* One (sequence, KV head) decode task, head_dim a multiple of 8. Positions go in tiles of DECODE_TILE, and each
- * tile serves every query head of the group while its K (then V) rows are in cache, so a long context is read from
+/* One decode task (a sequence's KV heads, or one of them), head_dim a multiple of 8; query head g reads KV head
+ * g / head_group. Positions go in tiles of DECODE_TILE, and each tile serves every query head while its K (then V)
+ * rows are in cache, so a long context is read from
  * memory once, not once per head. Scores take eight positions at a time (one accumulator per position, summed
  * across lanes together); the exp is vectorised; P @ V accumulates 64 dims at a time in registers, carried across
  * tiles in `acc`. `kv_rows[i]` is position i's K/V row offset (slot * row + kvh * dim). */
 #define DECODE_TILE 128
 #define DEFINE_DECODE_AVX2(SUF, T)                                                                              \
     static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache, const int64_t *kv_rows, \
-                                       int64_t n, int64_t group, int64_t dim, float scale, float *scores,        \
-                                       float *acc, T *out) {                                                     \
+                                       int64_t n, int64_t group, int64_t head_group, int64_t dim, float scale,  \
+                                       float *scores, float *acc, T *out) {                                      \
         float maxs[group], sums[group];                                                                          \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;                                                 \
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
             int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
             for (int64_t g = 0; g < group; g++) {                                                                \
                 const float *qg = qf + g * dim;                                                                  \
+                const T *kc = k_cache + (g / head_group) * dim; /* this head's KV head within the row */         \
                 float *sg = scores + g * n;                                                                      \
                 __m256 vmax = _mm256_set1_ps(-INFINITY);                                                         \
                 int64_t i = t0;                                                                                  \
                 for (; i + 8 <= t1; i += 8) {                                                                    \
-                    const T *k0 = k_cache + kv_rows[i], *k1 = k_cache + kv_rows[i + 1];                          \
-                    const T *k2 = k_cache + kv_rows[i + 2], *k3 = k_cache + kv_rows[i + 3];                      \
-                    const T *k4 = k_cache + kv_rows[i + 4], *k5 = k_cache + kv_rows[i + 5];                      \
-                    const T *k6 = k_cache + kv_rows[i + 6], *k7 = k_cache + kv_rows[i + 7];                      \
+                    const T *k0 = kc + kv_rows[i], *k1 = kc + kv_rows[i + 1];                          \
+                    const T *k2 = kc + kv_rows[i + 2], *k3 = kc + kv_rows[i + 3];                      \
+                    const T *k4 = kc + kv_rows[i + 4], *k5 = kc + kv_rows[i + 5];                      \
+                    const T *k6 = kc + kv_rows[i + 6], *k7 = kc + kv_rows[i + 7];                      \
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
                     for (int64_t d = 0; d < dim; d += 8) {                                                       \
                         __m256 qv = _mm256_loadu_ps(qg + d);                                                     \
@@ -139,7 +141,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
                 }                                                                                                \
                 float m = maxs[g];                                                                               \
                 for (; i < t1; i++) {                                                                            \
-                    const T *k = k_cache + kv_rows[i];                                                           \
+                    const T *k = kc + kv_rows[i];                                                                \
                     __m256 a = _mm256_setzero_ps();                                                              \
                     for (int64_t d = 0; d < dim; d += 8)                                                         \
                         a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8_##SUF(k + d), a);                     \
@@ -175,6 +177,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
             int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
             for (int64_t g = 0; g < group; g++) {                                                                \
                 const float *sg = scores + g * n;                                                                \
+                const T *vc = v_cache + (g / head_group) * dim;                                                  \
                 for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                       \
                     int64_t chunks = (dim - d0 < 64 ? dim - d0 : 64) / 8;                                        \
                     float *ag = acc + g * dim + d0;                                                              \
@@ -182,7 +185,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
                     for (int c = 0; c < chunks; c++) r[c] = _mm256_loadu_ps(ag + 8 * c);                         \
                     if (chunks == 8) {                                                                           \
                         for (int64_t j = t0; j < t1; j++) {                                                      \
-                            const T *v = v_cache + kv_rows[j] + d0;                                              \
+                            const T *v = vc + kv_rows[j] + d0;                                                   \
                             __m256 w = _mm256_set1_ps(sg[j]);                                                    \
                             r[0] = _mm256_fmadd_ps(w, load8_##SUF(v), r[0]);                                    \
                             r[1] = _mm256_fmadd_ps(w, load8_##SUF(v + 8), r[1]);                                \
@@ -195,7 +198,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
                         }                                                                                        \
                     } else {                                                                                     \
                         for (int64_t j = t0; j < t1; j++) {                                                      \
-                            const T *v = v_cache + kv_rows[j] + d0;                                              \
+                            const T *v = vc + kv_rows[j] + d0;                                                   \
                             __m256 w = _mm256_set1_ps(sg[j]);                                                    \
                             for (int c = 0; c < chunks; c++) r[c] = _mm256_fmadd_ps(w, load8_##SUF(v + 8 * c), r[c]); \
                         }                                                                                        \
@@ -305,16 +308,17 @@ static inline __m256 silu8(__m256 g) {
         }                                                                                                        \
     }                                                                                                            \
                                                                                                                  \
-    /* One (sequence, KV head) decode task in portable C: the fallback for other CPUs and head sizes. */         \
+    /* One decode task in portable C (same layout as the AVX2 one): the fallback for other CPUs and head sizes. */\
     static void decode_task_scalar_##SUF(const float *qf, const T *k_cache, const T *v_cache,                   \
-                                         const int64_t *kv_rows, int64_t n, int64_t group, int64_t dim,          \
-                                         float scale, float *scores, float *acc, T *out) {                       \
+                                         const int64_t *kv_rows, int64_t n, int64_t group, int64_t head_group,   \
+                                         int64_t dim, float scale, float *scores, float *acc, T *out) {          \
         (void)acc; /* the scalar path accumulates one output at a time */                                        \
         for (int64_t g = 0; g < group; g++) {                                                                    \
             const float *qg = qf + g * dim;                                                                      \
+            const T *kc = k_cache + (g / head_group) * dim, *vc = v_cache + (g / head_group) * dim;              \
             float *sg = scores + g * n, m = -INFINITY, sum = 0.f;                                                \
             for (int64_t i = 0; i < n; i++) {                                                                    \
-                const T *k = k_cache + kv_rows[i];                                                               \
+                const T *k = kc + kv_rows[i];                                                                    \
                 float dot = 0.f;                                                                                 \
                 _Pragma("omp simd reduction(+ : dot)")                                                           \
                 for (int64_t d = 0; d < dim; d++) dot = fmaf(qg[d], load_##SUF(k + d), dot);                     \
@@ -330,7 +334,7 @@ static inline __m256 silu8(__m256 g) {
             T *o = out + g * dim;                                                                                \
             for (int64_t d = 0; d < dim; d++) {                                                                  \
                 float acc = 0.f;                                                                                 \
-                for (int64_t i = 0; i < n; i++) acc = fmaf(sg[i], load_##SUF(v_cache + kv_rows[i] + d), acc);   \
+                for (int64_t i = 0; i < n; i++) acc = fmaf(sg[i], load_##SUF(vc + kv_rows[i] + d), acc);        \
                 store_##SUF(o + d, acc * inv);                                                                   \
             }                                                                                                    \
         }                                                                                                        \
@@ -352,30 +356,35 @@ static inline __m256 silu8(__m256 g) {
         for (int64_t b = 0; b < batch; b++)                                                                      \
             positions += (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];                            \
         int parallel = positions * nheads * dim >= PARALLEL_MIN_ATTENTION_WORK;                                  \
+        /* A task is one sequence's KV heads (all of them when the batch alone keeps the threads busy: each      \
+         * position's row is then read whole and in order; else one KV head, so a long single sequence still    \
+         * spreads over the threads). */                                                                         \
+        int64_t kv_per_task = batch >= 2 * nthreads ? nkv : 1;                                                   \
+        int64_t tasks_per_seq = nkv / kv_per_task, heads_per_task = kv_per_task * group;                         \
         _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (parallel)")                     \
-        for (int64_t task = 0; task < batch * nkv; task++) {                                                     \
-            int64_t b = task / nkv, kvh = task % nkv;                                                            \
+        for (int64_t task = 0; task < batch * tasks_per_seq; task++) {                                           \
+            int64_t b = task / tasks_per_seq, kv0 = (task % tasks_per_seq) * kv_per_task;                         \
             int64_t len = seq_lens[b];                                                                           \
             int64_t start = (window > 0 && len > window) ? len - window : 0;                                     \
             int64_t n = len - start;                                                                             \
             const int64_t *table = block_tables + b * table_stride;                                              \
-            float *qf = (float *)malloc(sizeof(float) * group * dim);                                            \
-            float *scores = (float *)malloc(sizeof(float) * group * (n > 0 ? n : 1));                            \
+            float *qf = (float *)malloc(sizeof(float) * heads_per_task * dim);                                   \
+            float *scores = (float *)malloc(sizeof(float) * heads_per_task * (n > 0 ? n : 1));                   \
             int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                             \
-            float *acc = (float *)malloc(sizeof(float) * group * dim);                                           \
+            float *acc = (float *)malloc(sizeof(float) * heads_per_task * dim);                                  \
             for (int64_t i = 0; i < n; i++) {                                                                    \
                 int64_t p = start + i;                                                                           \
-                kv_rows[i] = (table[p / block_size] * block_size + p % block_size) * row + kvh * dim;            \
+                kv_rows[i] = (table[p / block_size] * block_size + p % block_size) * row + kv0 * dim;            \
             }                                                                                                    \
-            for (int64_t g = 0; g < group; g++) {                                                                \
-                const T *qh = q + b * q_stride + (kvh * group + g) * dim;                                        \
-                for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = load_##SUF(qh + d);                          \
-            }                                                                                                    \
-            T *o = out + (b * nheads + kvh * group) * dim;                                                       \
+            const T *qh = q + b * q_stride + kv0 * group * dim;                                                  \
+            for (int64_t j = 0; j < heads_per_task * dim; j++) qf[j] = load_##SUF(qh + j);                       \
+            T *o = out + (b * nheads + kv0 * group) * dim;                                                       \
             if (DECODE_AVX2 && dim % 8 == 0)                                                                     \
-                DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, acc, o);      \
+                DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,       \
+                                      scores, acc, o);                                                           \
             else                                                                                                 \
-                decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, group, dim, scale, scores, acc, o);   \
+                decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,    \
+                                         scores, acc, o);                                                        \
             free(qf);                                                                                            \
             free(scores);                                                                                        \
             free(kv_rows);                                                                                       \

@@ -43,10 +43,12 @@ from kernels.cpu.ops import NativeCPUOps
 from tests.kernels.test_attention import make_batch
 assert "-mavx2" not in compiler_flags()
 native = NativeCPUOps(load_library())
-(k_cache, v_cache), (q, _, _), meta, _, _ = make_batch([(1, 1), (1, 17), (1, 90)], 6, 2, 16)
-for window in (None, 20):
-    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25, window)
-    torch.testing.assert_close(native.paged_decode_attention(*args), attention.paged_decode_attention(*args))
+# 5 sequences: one task per sequence on 2 threads; 2: one task per KV head.
+for rows in ([(1, 1), (1, 17), (1, 90), (1, 33), (1, 5)], [(1, 17), (1, 90)]):
+    (k_cache, v_cache), (q, _, _), meta, _, _ = make_batch(rows, 6, 2, 16)
+    for window in (None, 20):
+        args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25, window)
+        torch.testing.assert_close(native.paged_decode_attention(*args), attention.paged_decode_attention(*args))
 """
     env = {**os.environ, "KSANA_CPU_KERNELS": "portable", "KSANA_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
