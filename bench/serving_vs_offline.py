@@ -22,10 +22,7 @@ import gc
 import importlib.util
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,53 +63,13 @@ def run_offline(model: str, workload, engine_args: dict[str, Any]) -> dict[str, 
 
 
 # ---- online -------------------------------------------------------------------------------------------------------
-class Server:
-    """``python -m ksana.cli serve --port 0``; ready once it prints the line with its URL."""
-
-    def __init__(self, model: str, engine_flags: list[str]) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="ksana-serve-", suffix=".log", delete=False)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        env.pop("KSANA_API_KEY", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ksana.cli", "--log-level", "WARNING", "serve", "--model", model, "--port", "0",
-             *engine_flags],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO, env=env)
-        self.url = self._read_url()
-
-    def _read_url(self) -> str:
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(STARTUP_TIMEOUT_S)
-        text = line[0] if line else ""
-        if " at http://" not in text:
-            self.close()
-            raise RuntimeError(f"ksana serve did not start (printed {text!r}):\n{Path(self.log.name).read_text()}")
-        return text.rsplit(" at ", 1)[1].strip()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
 def run_online(serve_bench, model: str, workload, endpoint: str, engine_flags: list[str]) -> dict[str, Any]:
     import httpx2
     import trio
 
-    with Server(model, engine_flags) as server:
+    from ksana.server.process import ServeProcess
+
+    with ServeProcess("--model", model, *engine_flags, startup_timeout_s=STARTUP_TIMEOUT_S) as server:
         args = argparse.ArgumentParser()
         serve_bench.add_arguments(args)
         args = args.parse_args(["--base-url", server.url, "--endpoint", endpoint])

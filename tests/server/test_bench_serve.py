@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.server.conftest import REPO
+from ksana.server.process import REPO
 
 
 @pytest.fixture(scope="module")
