@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 
 from kernels import attention, rotary
 from kernels.dispatch import KernelOps
@@ -64,8 +65,9 @@ def npu_ops() -> KernelOps:
 
 @functools.cache
 def cpu_ops() -> KernelOps:
-    """The native CPU kernels (``kernels/cpu``) for everything but the matmuls, ``rotary_cos_sin`` and prefill
-    attention (SDPA's flash kernel over the new tokens is already one fused call); the torch reference when the
+    """The native CPU kernels (``kernels/cpu``) for everything but ``rotary_cos_sin`` and prefill attention (SDPA's
+    flash kernel over the new tokens is already one fused call); the projections, and all layers of a decode step
+    in one call, only on AVX-512 CPUs and decode-sized inputs (BLAS otherwise); the torch reference when the
     library cannot be built. Attention keeps the reference's store/decode/prefill composition, with native store
     and decode, so perf mode still times the two halves apart."""
     from kernels.cpu import load_library
@@ -78,6 +80,10 @@ def cpu_ops() -> KernelOps:
     from kernels.cpu.ops import NativeCPUOps
 
     native = NativeCPUOps(library)
+    projections: dict[str, Callable] = dict.fromkeys(
+        ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down", "lm_head"), native.linear
+    )
+    projections["decode_layers"] = native.decode_layers
     return KernelOps(
         name="cpu-native",
         rms_norm=native.rms_norm,
@@ -91,4 +97,5 @@ def cpu_ops() -> KernelOps:
         ),
         paged_decode_attention=native.paged_decode_attention,
         paged_prefill_attention=attention.paged_prefill_attention,
+        **(projections if native.has_linear else {}),
     )

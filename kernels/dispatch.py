@@ -51,6 +51,10 @@ class KernelOps:
     mlp_gate_up: Callable = attrs.field(repr=False, default=F.linear)
     mlp_down: Callable = attrs.field(repr=False, default=F.linear)
     lm_head: Callable = attrs.field(repr=False, default=F.linear)
+    # All decoder layers of an all-decode step in one call, where a backend fuses them (the native CPU kernels):
+    # ``(kernels.cpu.ops.DecodeLayers, hidden, cos, sin, meta) -> (hidden, residual) | None`` (None: not this
+    # step; run the layers one by one). A timed copy drops it, so perf mode times every op.
+    decode_layers: Callable | None = attrs.field(repr=False, default=None)
 
     def timed(self, timer: OpTimer) -> KernelOps:
         """A copy whose every op is wrapped by ``timer`` under its operator name (see ``OPERATOR_OF_FIELD``).
@@ -72,7 +76,7 @@ class KernelOps:
             )
         else:
             wrapped["paged_attention"] = _timed_whole_attention(timer, self.paged_attention)
-        return attrs.evolve(self, name=f"{self.name}+timed", **wrapped)
+        return attrs.evolve(self, name=f"{self.name}+timed", decode_layers=None, **wrapped)
 
 
 # The operator name each field is timed under; several fields may share one (every norm is "norm").

@@ -35,17 +35,24 @@ SIGNATURES: dict[str, tuple] = {
     "silu_and_mul": (_ptr, _i64, _ptr, _i64, _i64, _int),
     "store_kv": (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64),
     "paged_decode": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _int),
+    "linear": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
+    "decode_layers": (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
+                      _ptr, _i64, _f32, _f32, _int),
 }
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def compiler_flags() -> list[str]:
-    """-O3 with AVX2/FMA when torch reports the CPU has them; never -ffast-math, and no FMA contraction of
-    elementwise code, so rounding matches torch's eager ops (the attention loops use FMA explicitly)."""
+    """-O3 with AVX2/FMA when torch reports the CPU has them, plus the AVX-512 small-batch linear kernels
+    (compiled for AVX-512 inside their own section only) on AVX-512 CPUs; never -ffast-math, and no FMA
+    contraction of elementwise code, so rounding matches torch's eager ops (attention and linear use FMA
+    explicitly)."""
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX2", "AVX512") and os.environ.get(CPU_KERNELS_ENV) != "portable":
         flags += ["-mavx2", "-mfma", "-mf16c"]
+        if capability == "AVX512":
+            flags.append("-DKSANA_AVX512")
     return flags
 
 
@@ -91,4 +98,5 @@ def load_library() -> ctypes.CDLL | None:
         for suffix in DTYPE_SUFFIX.values():
             fn = getattr(library, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+    library.linear_available.argtypes, library.linear_available.restype = (), _int
     return library

@@ -394,3 +394,215 @@ static inline __m256 silu8(__m256 g) {
 
 DEFINE_KERNELS(f32, float)
 DEFINE_KERNELS(bf16, bf16_t)
+
+/* ---- Small-batch linear layers: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), for decode-sized M ----------------
+ *
+ * BLAS is tuned for big products; at decode's M (1-64 rows) MKL reaches a fraction of this CPU's matmul rate
+ * and, from M = 4, of its memory bandwidth. Here weight rows are read straight from their torch layout (no packed
+ * copy): a tile of 4 weight rows and up to 6 input rows keeps 24 float32 accumulators along K in registers, so
+ * each weight vector loaded serves every input row of the tile; the 4 x 6 dot products are summed across lanes
+ * at the end. Each thread walks its share of 4-row weight tiles once, passing every input-row tile over a tile
+ * while it is in L1, and prefetches the next tile's rows during the first pass (the hardware prefetcher stops at
+ * page boundaries, and short rows never let it ramp up). bfloat16 inputs are widened to float32 once per call,
+ * weights per load; accumulation is float32 and each output is rounded once, as oneDNN's bfloat16 matmul does.
+ * Built only for AVX-512 (the tile needs its 32 vector registers); `linear_available` tells Python, and other
+ * CPUs keep BLAS.
+ */
+#if defined(KSANA_AVX512)
+#include <immintrin.h>
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+
+#define LINEAR_MR 6          /* input rows per tile */
+#define LINEAR_PARALLEL_MIN (1 << 18) /* M * N * K below this stays on the calling thread */
+
+static inline __m512 w16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 w16_bf16(const bf16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 w16m_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 w16m_bf16(const bf16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* [sum(a), sum(b), sum(c), sum(d)] */
+static inline __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+    __m128 b4 = _mm_add_ps(_mm256_castps256_ps128(b8), _mm256_extractf128_ps(b8, 1));
+    __m128 c4 = _mm_add_ps(_mm256_castps256_ps128(c8), _mm256_extractf128_ps(c8, 1));
+    __m128 d4 = _mm_add_ps(_mm256_castps256_ps128(d8), _mm256_extractf128_ps(d8, 1));
+    return _mm_hadd_ps(_mm_hadd_ps(a4, b4), _mm_hadd_ps(c4, d4));
+}
+
+/* One tile: MR input rows (float32, `xs` apart) x 4 weight rows (w0..w3; fewer real ones repeat w0 and `nr`
+ * says how many outputs to write). */
+#define DEFINE_LINEAR_TILE(SUF, T, MR)                                                                          \
+    static void linear_tile_##SUF##_##MR(const float *x, int64_t xs, const T *w0, const T *w1, const T *w2,    \
+                                         const T *w3, int64_t K, const T *bias, T *out, int64_t ldo, int nr,    \
+                                         const T *next) {                                                       \
+        __m512 acc[MR][4];                                                                                       \
+        for (int m = 0; m < MR; m++)                                                                             \
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();                                         \
+        int64_t k = 0;                                                                                           \
+        for (; k + 16 <= K; k += 16) {                                                                           \
+            __m512 b0 = w16_##SUF(w0 + k), b1 = w16_##SUF(w1 + k), b2 = w16_##SUF(w2 + k), b3 = w16_##SUF(w3 + k); \
+            if (next) { /* the next tile's four rows, one cache line of each per 16 columns */                \
+                _mm_prefetch((const char *)(next + k), _MM_HINT_T0);                                             \
+                _mm_prefetch((const char *)(next + K + k), _MM_HINT_T0);                                         \
+                _mm_prefetch((const char *)(next + 2 * K + k), _MM_HINT_T0);                                     \
+                _mm_prefetch((const char *)(next + 3 * K + k), _MM_HINT_T0);                                     \
+            }                                                                                                    \
+            for (int m = 0; m < MR; m++) {                                                                       \
+                __m512 a = _mm512_loadu_ps(x + m * xs + k);                                                      \
+                acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);                                                   \
+                acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);                                                   \
+                acc[m][2] = _mm512_fmadd_ps(a, b2, acc[m][2]);                                                   \
+                acc[m][3] = _mm512_fmadd_ps(a, b3, acc[m][3]);                                                   \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (k < K) {                                                                                             \
+            __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);                                                  \
+            __m512 b0 = w16m_##SUF(w0 + k, mask), b1 = w16m_##SUF(w1 + k, mask);                                 \
+            __m512 b2 = w16m_##SUF(w2 + k, mask), b3 = w16m_##SUF(w3 + k, mask);                                 \
+            for (int m = 0; m < MR; m++) {                                                                       \
+                __m512 a = _mm512_maskz_loadu_ps(mask, x + m * xs + k);                                          \
+                acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);                                                   \
+                acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);                                                   \
+                acc[m][2] = _mm512_fmadd_ps(a, b2, acc[m][2]);                                                   \
+                acc[m][3] = _mm512_fmadd_ps(a, b3, acc[m][3]);                                                   \
+            }                                                                                                    \
+        }                                                                                                        \
+        float bias4[4] = {0.f, 0.f, 0.f, 0.f};                                                                   \
+        if (bias)                                                                                                \
+            for (int j = 0; j < nr; j++) bias4[j] = load_##SUF(bias + j);                                        \
+        for (int m = 0; m < MR; m++) {                                                                           \
+            float sums[4];                                                                                       \
+            _mm_storeu_ps(sums, _mm_add_ps(sum4x16(acc[m][0], acc[m][1], acc[m][2], acc[m][3]),                  \
+                                           _mm_loadu_ps(bias4)));                                                \
+            for (int j = 0; j < nr; j++) store_##SUF(out + m * ldo + j, sums[j]);                                \
+        }                                                                                                        \
+    }
+
+#define DEFINE_LINEAR(SUF, T)                                                                                   \
+    DEFINE_LINEAR_TILE(SUF, T, 1)                                                                                \
+    DEFINE_LINEAR_TILE(SUF, T, 2)                                                                                \
+    DEFINE_LINEAR_TILE(SUF, T, 3)                                                                                \
+    DEFINE_LINEAR_TILE(SUF, T, 4)                                                                                \
+    DEFINE_LINEAR_TILE(SUF, T, 5)                                                                                \
+    DEFINE_LINEAR_TILE(SUF, T, 6)                                                                                \
+    typedef void (*linear_tile_##SUF##_fn)(const float *, int64_t, const T *, const T *, const T *, const T *,  \
+                                           int64_t, const T *, T *, int64_t, int, const T *);                    \
+    static const linear_tile_##SUF##_fn linear_tiles_##SUF[LINEAR_MR + 1] = {                                    \
+        NULL, linear_tile_##SUF##_1, linear_tile_##SUF##_2, linear_tile_##SUF##_3,                               \
+        linear_tile_##SUF##_4, linear_tile_##SUF##_5, linear_tile_##SUF##_6};                                    \
+                                                                                                                 \
+    /* x: M rows `x_stride` apart; w: N rows of K, contiguous; bias: N or NULL; out: M x N, contiguous. */       \
+    void linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M, int64_t N,    \
+                      int64_t K, int nthreads) {                                                                 \
+        const float *xf = (const float *)(const void *)x;                                                        \
+        int64_t xs = x_stride;                                                                                   \
+        float *widened = NULL;                                                                                   \
+        if (sizeof(T) != sizeof(float)) { /* bfloat16 input rows, widened once */                               \
+            widened = (float *)malloc(sizeof(float) * M * K);                                                    \
+            for (int64_t m = 0; m < M; m++)                                                                      \
+                for (int64_t k = 0; k < K; k++) widened[m * K + k] = load_##SUF(x + m * x_stride + k);           \
+            xf = widened;                                                                                        \
+            xs = K;                                                                                              \
+        }                                                                                                        \
+        int64_t ntiles = (N + 3) / 4, mtiles = (M + LINEAR_MR - 1) / LINEAR_MR;                                 \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (M * N * K >= LINEAR_PARALLEL_MIN)") \
+        for (int64_t t = 0; t < ntiles; t++) {                                                                   \
+            int64_t n0 = 4 * t;                                                                                  \
+            int nr = N - n0 < 4 ? (int)(N - n0) : 4;                                                             \
+            const T *w0 = w + n0 * K, *w1 = nr > 1 ? w0 + K : w0, *w2 = nr > 2 ? w0 + 2 * K : w0;                \
+            const T *w3 = nr > 3 ? w0 + 3 * K : w0;                                                              \
+            for (int64_t i = 0; i < mtiles; i++) { /* rows split evenly: 8 = 4 + 4, not 6 + 2 */               \
+                int64_t m0 = i * M / mtiles, mr = (i + 1) * M / mtiles - m0;                                     \
+                linear_tiles_##SUF[mr](xf + m0 * xs, xs, w0, w1, w2, w3, K, bias ? bias + n0 : NULL,             \
+                                       out + m0 * N + n0, N, nr, m0 == 0 && n0 + 8 <= N ? w0 + 4 * K : NULL); \
+            }                                                                                                    \
+        }                                                                                                        \
+        free(widened);                                                                                           \
+    }
+
+DEFINE_LINEAR(f32, float)
+DEFINE_LINEAR(bf16, bf16_t)
+
+/* ---- A decode step's decoder layers in one call ---------------------------------------------------------------
+ *
+ * The same ops, in the same order and with the same threading, as DecoderLayer.forward over the native kernels,
+ * so the results are identical to the op-by-op path; what goes is Python between the ops. On this CPU each op
+ * called from Python costs tens of microseconds once the matmul before it has streamed megabytes of weights
+ * through the caches (the interpreter's own working set is evicted), about ten calls a layer.
+ * `table` holds DECODE_LAYER_FIELDS addresses per layer (see kernels/cpu/ops.py, DecodeLayerWeights); biases may
+ * be 0. `h` [M, hidden] is the embedding on entry and the last layer's MLP output on return; `residual` receives
+ * the residual stream (the final norm adds them, as the Python loop leaves it).
+ */
+#define DECODE_LAYER_FIELDS 12
+#define DEFINE_DECODE_LAYERS(SUF, T)                                                                            \
+    void decode_layers_##SUF(const int64_t *table, const int64_t *windows, int64_t nlayers, T *h, T *residual,  \
+                             int64_t M, int64_t hidden, int64_t nheads, int64_t nkv, int64_t dim, int64_t inter, \
+                             const T *cos, const T *sin, const int64_t *slots, const int64_t *block_tables,     \
+                             int64_t table_stride, const int64_t *seq_lens, int64_t block_size, float eps,      \
+                             float scale, int nthreads) {                                                        \
+        int64_t q = nheads * dim, kv = nkv * dim, qkv_n = q + 2 * kv;                                            \
+        T *x = (T *)malloc(sizeof(T) * M * hidden), *qkv = (T *)malloc(sizeof(T) * M * qkv_n);                  \
+        T *qk = (T *)malloc(sizeof(T) * M * (q + kv)), *attn = (T *)malloc(sizeof(T) * M * q);                  \
+        T *gate_up = (T *)malloc(sizeof(T) * M * 2 * inter), *act = (T *)malloc(sizeof(T) * M * inter);         \
+        for (int64_t l = 0; l < nlayers; l++) {                                                                  \
+            const int64_t *f = table + l * DECODE_LAYER_FIELDS;                                                  \
+            const T *in_norm = (const T *)(intptr_t)f[0], *qkv_w = (const T *)(intptr_t)f[1];                    \
+            const T *qkv_b = (const T *)(intptr_t)f[2], *o_w = (const T *)(intptr_t)f[3];                        \
+            const T *o_b = (const T *)(intptr_t)f[4], *post_norm = (const T *)(intptr_t)f[5];                    \
+            const T *gate_up_w = (const T *)(intptr_t)f[6], *gate_up_b = (const T *)(intptr_t)f[7];              \
+            const T *down_w = (const T *)(intptr_t)f[8], *down_b = (const T *)(intptr_t)f[9];                    \
+            T *k_cache = (T *)(intptr_t)f[10], *v_cache = (T *)(intptr_t)f[11];                                  \
+            if (l == 0) { /* residual = h; x = norm(h) */                                                        \
+                memcpy(residual, h, sizeof(T) * M * hidden);                                                     \
+                rms_norm_##SUF(h, hidden, NULL, NULL, in_norm, x, M, hidden, eps, nthreads);                     \
+            } else { /* residual += h; x = norm(residual) (elementwise, so in place) */                          \
+                rms_norm_##SUF(h, hidden, residual, residual, in_norm, x, M, hidden, eps, nthreads);             \
+            }                                                                                                    \
+            linear_##SUF(x, hidden, qkv_w, qkv_b, qkv, M, qkv_n, hidden, nthreads);                              \
+            rotary_neox_##SUF(qkv, qkv_n, cos, sin, qk, M, nheads + nkv, dim, nthreads);                         \
+            store_kv_##SUF(qk + q, q + kv, qkv + q + kv, qkv_n, k_cache, v_cache, slots, M, kv);                 \
+            paged_decode_##SUF(qk, q + kv, k_cache, v_cache, block_tables, table_stride, seq_lens, attn, M,      \
+                               nheads, nkv, dim, block_size, scale, windows[l], nthreads);                       \
+            linear_##SUF(attn, q, o_w, o_b, h, M, hidden, q, nthreads);                                          \
+            rms_norm_##SUF(h, hidden, residual, residual, post_norm, x, M, hidden, eps, nthreads);               \
+            linear_##SUF(x, hidden, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden, nthreads);              \
+            silu_and_mul_##SUF(gate_up, 2 * inter, act, M, inter, nthreads);                                     \
+            linear_##SUF(act, inter, down_w, down_b, h, M, hidden, inter, nthreads);                             \
+        }                                                                                                        \
+        free(x);                                                                                                 \
+        free(qkv);                                                                                               \
+        free(qk);                                                                                                \
+        free(attn);                                                                                              \
+        free(gate_up);                                                                                           \
+        free(act);                                                                                               \
+    }
+
+DEFINE_DECODE_LAYERS(f32, float)
+DEFINE_DECODE_LAYERS(bf16, bf16_t)
+#pragma GCC pop_options
+int linear_available(void) { return 1; }
+#else
+/* Without AVX-512 `linear_*` only exist so every build exports the same names; Python never calls them. */
+void linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out, int64_t M,
+                int64_t N, int64_t K, int nthreads) {
+    (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)nthreads;
+    abort();
+}
+void linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *w, const bf16_t *bias, bf16_t *out, int64_t M,
+                 int64_t N, int64_t K, int nthreads) {
+    (void)x, (void)x_stride, (void)w, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)nthreads;
+    abort();
+}
+void decode_layers_f32(void) { abort(); }
+void decode_layers_bf16(void) { abort(); }
+int linear_available(void) { return 0; }
+#endif

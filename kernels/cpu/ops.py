@@ -7,11 +7,57 @@ Each wrapper checks what the C code assumes (a supported dtype, unit stride in t
 from __future__ import annotations
 
 import ctypes
+import weakref
 
+import attrs
 import torch
+import torch.nn.functional as F
 
 from kernels import activation, attention, norm, rotary
 from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
+
+# Rows up to which the native linear beats MKL/oneDNN on this class of CPU (measured with bench/kernels.py: about
+# 1.1-2x from 1 to 64 rows, even at 96, behind from 128); prefill-sized inputs go to BLAS.
+LINEAR_MAX_ROWS = 64
+
+
+@attrs.frozen
+class DecodeLayerWeights:
+    """What ``decode_layers`` reads of one decoder layer, in the C table's order (biases may be None)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    sliding_window: int | None
+
+    def addresses(self) -> list[int]:
+        tensors = attrs.astuple(self, recurse=False)[:-1]
+        return [0 if t is None else t.data_ptr() for t in tensors]
+
+
+@attrs.frozen
+class DecodeLayers:
+    """A model's layers for ``decode_layers``, with the sizes it needs; the model keeps one per KV cache, and
+    the op caches its address table for as long as the model holds it (a weak reference, so a dropped model's
+    weights are freed)."""
+
+    layers: tuple[DecodeLayerWeights, ...]
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    scale: float
 
 
 class NativeCPUOps:
@@ -20,6 +66,53 @@ class NativeCPUOps:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
+        self.has_linear = bool(library.linear_available())
+        # The address table (and windows) of the last ``DecodeLayers`` seen: a model passes the same one each step.
+        self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor] | None = None
+
+    def decode_layers(self, model: DecodeLayers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every decoder layer of an all-decode step in one native call (see ``decode_layers`` in ksana_cpu.c):
+        ``(hidden, residual)`` as the layer loop leaves them, or None when the step is not one it takes (more
+        rows than the native linear serves, an unsupported dtype or layout), and the caller runs the loop."""
+        rows = hidden.shape[0]
+        if not (self.has_linear and 0 < rows <= LINEAR_MAX_ROWS and hidden.dtype in DTYPE_SUFFIX
+                and hidden.is_contiguous() and cos.dtype == sin.dtype == hidden.dtype and cos.is_contiguous()
+                and sin.is_contiguous() and meta.block_tables.stride(-1) == 1 and meta.seq_lens.is_contiguous()
+                and meta.slot_mapping.is_contiguous()
+                and meta.block_tables.dtype == meta.seq_lens.dtype == meta.slot_mapping.dtype == torch.int64):
+            return None
+        layers = model.layers
+        if self._table_of is None or self._table_of[0]() is not model:
+            if not all(_decode_layer_ok(layer, hidden.dtype) for layer in layers):
+                return None
+            table = torch.tensor([a for layer in layers for a in layer.addresses()], dtype=torch.int64)
+            windows = torch.tensor([layer.sliding_window or 0 for layer in layers], dtype=torch.int64)
+            self._table_of = (weakref.ref(model), table, windows)
+        _, table, windows = self._table_of
+        hidden = hidden.clone()  # overwritten in place: the embedding's output may be someone else's
+        residual = torch.empty_like(hidden)
+        block_tables = meta.block_tables
+        self._fns["decode_layers", hidden.dtype](
+            table.data_ptr(), windows.data_ptr(), len(layers), hidden.data_ptr(), residual.data_ptr(), rows,
+            model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size,
+            cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), meta.seq_lens.data_ptr(), meta.block_size, model.eps, model.scale,
+            torch.get_num_threads())
+        return hidden, residual
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` for decode-sized inputs (at most ``LINEAR_MAX_ROWS`` rows); BLAS for the rest."""
+        if not (self.has_linear and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and x.stride(-1) == 1
+                and x.dtype in DTYPE_SUFFIX and weight.dtype == x.dtype and weight.is_contiguous()
+                and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+            return F.linear(x, weight, bias)
+        rows, cols = x.shape[0], weight.shape[0]
+        out = torch.empty((rows, cols), dtype=x.dtype)
+        self._fns["linear", x.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols,
+                                     weight.shape[1], torch.get_num_threads())
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not _rows_ok(x, weight):
@@ -91,6 +184,11 @@ class NativeCPUOps:
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
             block_size, scale, sliding_window or 0, torch.get_num_threads())
         return out
+
+
+def _decode_layer_ok(layer: DecodeLayerWeights, dtype: torch.dtype) -> bool:
+    tensors = [t for t in attrs.astuple(layer, recurse=False)[:-1] if t is not None]
+    return all(t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
 def _rows_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:

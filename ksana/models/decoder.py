@@ -18,6 +18,7 @@ import attrs
 import torch
 from torch import nn
 
+from kernels.cpu.ops import DecodeLayers, DecodeLayerWeights
 from kernels.dispatch import KernelOps, OpTimer, get_ops
 from ksana.models.base import CausalLM, WeightSlot
 from ksana.models.parallel import Shard, TPGroup, rank_shape, vocab_range
@@ -226,6 +227,12 @@ class DecoderLayer(nn.Module):
     def weight_shards(self, prefix: str) -> dict[str, Shard]:
         return {**self.self_attn.weight_shards(f"{prefix}.self_attn"), **self.mlp.weight_shards(f"{prefix}.mlp")}
 
+    def decode_weights(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> DecodeLayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        return DecodeLayerWeights(self.input_norm_weight, attn.qkv_weight, attn.qkv_bias, attn.o_weight, attn.o_bias,
+                                  self.post_attention_norm_weight, mlp.gate_up_weight, mlp.gate_up_bias,
+                                  mlp.down_weight, mlp.down_bias, kv_cache[0], kv_cache[1], attn.sliding_window)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -287,6 +294,8 @@ class DecoderForCausalLM(CausalLM):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.profiler: OpProfiler | None = None
         self.layer_forward_round = 1
+        # (the KV cache's addresses, the layers as ``ops.decode_layers`` takes them), made on the first decode step.
+        self._decode_layers_of: tuple[tuple[int, ...], DecodeLayers] | None = None
 
     @classmethod
     def _biases(cls, config: Any) -> Biases:
@@ -358,6 +367,10 @@ class DecoderForCausalLM(CausalLM):
     ) -> torch.Tensor:
         hidden = self._embed(input_ids)
         cos, sin = self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
+        fused = self._decode_layers(hidden, cos, sin, kv_caches, meta)
+        if fused is not None:
+            hidden, residual = fused
+            return self.ops.fused_add_rms_norm(hidden, residual, self.norm_weight, self.eps)[0]
         residual = None
         profiler, num_repeats = self.profiler, self.layer_forward_round - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -370,6 +383,24 @@ class DecoderForCausalLM(CausalLM):
             profiler.layer = None
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm_weight, self.eps)
         return hidden
+
+    def _decode_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All layers in one backend call when the backend fuses them and the step is plain decode (one token per
+        sequence, one block pool, no tensor parallelism, no repeated layers); None otherwise."""
+        decode_layers = self.ops.decode_layers
+        if (decode_layers is None or self.tp is not None or self.layer_forward_round != 1 or meta.swa is not None
+                or meta.num_decodes != hidden.shape[0] or meta.num_seqs != hidden.shape[0]):
+            return None
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        if self._decode_layers_of is None or self._decode_layers_of[0] != key:
+            shape = self.shape
+            layers = tuple(layer.decode_weights(kv) for layer, kv in zip(self.layers, kv_caches, strict=True))
+            self._decode_layers_of = (key, DecodeLayers(layers, shape.hidden_size, shape.num_heads,
+                                                        shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
+                                                        self.eps, shape.head_dim**-0.5))
+        return decode_layers(self._decode_layers_of[1], hidden, cos, sin, meta)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.all_reduce is None:

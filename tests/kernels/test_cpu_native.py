@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,11 @@ import torch.nn.functional as F
 from kernels import attention, norm, rotary
 from kernels.backends import cpu_ops
 from kernels.cpu import load_library
-from kernels.cpu.ops import NativeCPUOps
+from kernels.cpu.ops import LINEAR_MAX_ROWS, NativeCPUOps
+from ksana.models import load_model
+from ksana.worker.kv_cache import KVCache
 from tests.kernels.test_attention import HEAD_DIM, ROWS, dense_reference, make_batch
+from tests.model_factory import BlockPool, PagedSequence, build_step, make_checkpoint, random_prompts
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -176,3 +180,81 @@ def test_decode_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
 def test_unsupported_dtype_uses_the_reference(native: NativeCPUOps) -> None:
     x, weight = torch.randn(3, 16).half(), torch.randn(16).half()
     assert torch.equal(native.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
+
+
+# ---- small-batch linear and the fused decode layers (AVX-512 builds) -------------------------------------------
+def test_linear_is_native_exactly_on_avx512(native: NativeCPUOps) -> None:
+    assert native.has_linear == (torch.backends.cpu.get_cpu_capability() == "AVX512")
+    ops = cpu_ops()
+    assert (ops.qkv_proj is not F.linear) == native.has_linear
+    assert (ops.decode_layers is not None) == native.has_linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 7, 37), (6, 64, 576), (7, 61, 48), (13, 130, 100), (LINEAR_MAX_ROWS, 96, 160)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, rows: int, out_features: int,
+                              in_features: int, with_bias: bool) -> None:
+    """Tails of every tile shape: rows not a multiple of 6, outputs not of 4, inputs not of 16; strided rows."""
+    torch.manual_seed(rows * out_features)
+    wide = torch.randn(rows, in_features + 5).to(dtype)
+    x = wide[:, 2 : 2 + in_features]  # rows in_features + 5 apart
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
+    bias = torch.randn(out_features).to(dtype) if with_bias else None
+    out = native.linear(x, weight, bias)
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:  # float32 accumulation, one rounding to bfloat16 at the end
+        torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
+
+
+def test_linear_leaves_prefill_sized_inputs_to_blas(native: NativeCPUOps) -> None:
+    x, weight = torch.randn(LINEAR_MAX_ROWS + 1, 64), torch.randn(32, 64)
+    assert torch.equal(native.linear(x, weight), F.linear(x, weight))
+
+
+def _decode_steps(model, use_fused: bool, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A prefill of 5 sequences (one past the SWA windows), then 3 all-decode steps; the decode steps' hidden
+    states and the final KV cache."""
+    if not use_fused:
+        model.ops = attrs.evolve(model.ops, decode_layers=None)
+    seqs = [PagedSequence(t) for t in random_prompts([1, 9, 16, 40, 3], seed=5)]
+    for seq, extra in zip(seqs, random_prompts([3] * len(seqs), seed=6), strict=True):
+        seq.token_ids += extra
+    cache = KVCache.allocate(model.shape, 32, 8, dtype, "cpu")
+    pool = BlockPool(32, seed=1)
+    hidden_states = []
+    with torch.inference_mode():
+        plan = [(seq, len(seq.token_ids) - 3) for seq in seqs]
+        for _ in range(4):
+            input_ids, positions, meta = build_step(plan, 8, pool)
+            hidden = model(input_ids, positions, cache.layers, meta)
+            if meta.num_decodes == len(seqs):
+                hidden_states.append(hidden)
+            plan = [(seq, 1) for seq in seqs]
+    return hidden_states, [t for pair in cache.layers for t in pair]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa", "mistral"])
+def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path, dtype: torch.dtype,
+                                                  family: str) -> None:
+    """Same kernels, same order: bit for bit the op-by-op result (biases, sliding windows, GQA), KV cache too."""
+    model_dir = make_checkpoint(tmp_path, family)
+    fused_model, loop_model = load_model(model_dir, dtype=dtype), load_model(model_dir, dtype=dtype)
+    assert (fused_model.ops.decode_layers is not None) == native.has_linear
+    fused, fused_cache = _decode_steps(fused_model, True, dtype)
+    loop, loop_cache = _decode_steps(loop_model, False, dtype)
+    assert (fused_model._decode_layers_of is not None) == native.has_linear  # the fused path really ran
+    assert loop_model._decode_layers_of is None
+    assert len(fused) == 3
+    for a, b in zip(fused + fused_cache, loop + loop_cache, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fused_decode_declines_batches_beyond_the_native_linear(native: NativeCPUOps) -> None:
+    hidden = torch.randn(LINEAR_MAX_ROWS + 1, 8)
+    assert native.decode_layers(None, hidden, hidden, hidden, None) is None

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import attention
+from kernels.cpu.ops import NativeCPUOps
 from kernels.dispatch import TORCH_OPS, KernelOps, get_ops
 from ksana import LLM, SamplingParams
 from perf.csv_writer import csv_row
@@ -33,7 +34,9 @@ def test_profiling_off_leaves_the_plain_kernels_in_place(llm):
     plain_ops = get_ops("cpu")
     assert model.profiler is None and model.ops is plain_ops
     assert all(layer.ops is layer.self_attn.ops is layer.mlp.ops is plain_ops for layer in model.layers)
-    assert plain_ops.qkv_proj is torch.nn.functional.linear  # the raw builtin: no wrapper on the hot path
+    # The raw builtin or the native kernel's method (AVX-512): no wrapper on the hot path.
+    assert getattr(plain_ops.qkv_proj, "__func__", plain_ops.qkv_proj) in (torch.nn.functional.linear,
+                                                                           NativeCPUOps.linear)
 
 
 def test_timed_forward_gives_the_same_tokens_and_counts_every_op(llm):
