@@ -29,6 +29,7 @@ from pathlib import Path
 import attrs
 import orjson
 import torch
+import torch.nn.functional as F
 
 # The repository root goes first: this script's directory (sys.path[0]) would make `kernels` mean this file.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -160,7 +161,8 @@ def _native_cpu_kernels() -> dict[str, Callable] | None:
     if library is None:
         return None
     native = NativeCPUOps(library)
-    return {
+    linear = {"linear": native.linear} if native.has_linear else {}  # AVX-512 only; BLAS elsewhere
+    return linear | {
         "rms_norm": native.rms_norm,
         "fused_add_rms_norm": native.fused_add_rms_norm,
         "apply_rotary": native.apply_rotary,
@@ -197,7 +199,7 @@ def build_cases(device: torch.device, dtype: torch.dtype, quick: bool, with_trit
     cases: list[Case] = []
 
     def add(op: str, shape: str, args: tuple, ref_fn: Callable, num_bytes: float = 0.0, flops: float = 0.0):
-        kernel_fn = tr[op] if tr else None
+        kernel_fn = tr.get(op) if tr else None
         cases.append(
             Case(
                 op,
@@ -244,6 +246,18 @@ def build_cases(device: torch.device, dtype: torch.dtype, quick: bool, with_trit
         activation.silu_and_mul,
         1.5 * gate_up.numel() * es,
     )
+
+    # Decode-sized projections (the native CPU linear serves up to 64 rows); the weight is read once per call.
+    projection = randn(HIDDEN, HIDDEN)
+    for num_rows in (1, 16, 64):
+        add(
+            "linear",
+            f"{num_rows}x{HIDDEN} @ {HIDDEN}x{HIDDEN}",
+            (randn(num_rows, HIDDEN), projection),
+            F.linear,
+            projection.numel() * es,
+            2.0 * num_rows * projection.numel(),
+        )
 
     kv_shape = (tokens, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.zeros(

@@ -1,9 +1,11 @@
-"""Native CPU kernels (C + OpenMP through ctypes) for the ops between the matmuls.
+"""Native CPU kernels (C + OpenMP through ctypes) for the decoder's ops, and on AVX-512 its decode matmuls.
 
 On a small CPU the eager torch reference spends most of a decode step outside the matmuls: dozens of tiny ops
 per layer, each paying dispatch and a thread-pool wake-up, and decode attention that copies every sequence's
 cached K/V out of its blocks before SDPA reads it again. These kernels do each op in one call, and decode
-attention reads K/V in place through the block tables, once. Matmuls stay with torch (MKL/oneDNN).
+attention reads K/V in place through the block tables, once. At decode's few rows MKL reaches a fraction of the
+CPU's bandwidth, so on AVX-512 CPUs a small-batch linear streams each weight once, and a decode step's layers
+run in one native call (no Python between the ops); prefill-sized matmuls stay with torch (MKL/oneDNN).
 """
 
 from __future__ import annotations

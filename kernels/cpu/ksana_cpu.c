@@ -1,11 +1,12 @@
-/* Native CPU kernels for the decoder's non-matmul ops (see kernels/cpu/__init__.py for why they exist).
+/* Native CPU kernels for the decoder (see kernels/cpu/__init__.py for why they exist).
  *
  * C with OpenMP, loaded through ctypes: no Python headers, no torch headers, so it builds in about a second with
  * the system compiler. Decode attention and SiLU use AVX2/FMA intrinsics when the build targets them (see
  * kernels/cpu/build.py); every op also has a portable C path. Every op exists for float32 (suffix _f32) and
  * bfloat16 (suffix _bf16, stored as uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even)
  * at the points where torch's eager reference rounds, so both paths agree to the last bit in the elementwise ops
- * other than SiLU (whose exp differs by an ulp) and to float32 rounding error in the reductions.
+ * other than SiLU (whose exp differs by an ulp) and to float32 rounding error in the reductions. On AVX-512 builds
+ * a small-batch linear and a whole decode step's layers (`decode_layers`) come on top (the end of this file).
  *
  * Threading: OpenMP regions use the libgomp that torch already loaded (same soname), so torch and these kernels
  * share one thread pool; the caller passes torch's thread count.
@@ -402,8 +403,9 @@ DEFINE_KERNELS(bf16, bf16_t)
  * copy): a tile of 4 weight rows and up to 6 input rows keeps 24 float32 accumulators along K in registers, so
  * each weight vector loaded serves every input row of the tile; the 4 x 6 dot products are summed across lanes
  * at the end. Each thread walks its share of 4-row weight tiles once, passing every input-row tile over a tile
- * while it is in L1, and prefetches the next tile's rows during the first pass (the hardware prefetcher stops at
- * page boundaries, and short rows never let it ramp up). bfloat16 inputs are widened to float32 once per call,
+ * while it is in L1, and prefetches the next tile's rows into L2 during the first pass (the hardware prefetcher
+ * stops at page boundaries, and short rows never let it ramp up; into L1 measured about 10% slower at 16-64 rows,
+ * as the prefetches then hold the few L1 fill buffers). bfloat16 inputs are widened to float32 once per call,
  * weights per load; accumulation is float32 and each output is rounded once, as oneDNN's bfloat16 matmul does.
  * Built only for AVX-512 (the tile needs its 32 vector registers); `linear_available` tells Python, and other
  * CPUs keep BLAS.
@@ -450,11 +452,11 @@ static inline __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
         int64_t k = 0;                                                                                           \
         for (; k + 16 <= K; k += 16) {                                                                           \
             __m512 b0 = w16_##SUF(w0 + k), b1 = w16_##SUF(w1 + k), b2 = w16_##SUF(w2 + k), b3 = w16_##SUF(w3 + k); \
-            if (next) { /* the next tile's four rows, one cache line of each per 16 columns */                \
-                _mm_prefetch((const char *)(next + k), _MM_HINT_T0);                                             \
-                _mm_prefetch((const char *)(next + K + k), _MM_HINT_T0);                                         \
-                _mm_prefetch((const char *)(next + 2 * K + k), _MM_HINT_T0);                                     \
-                _mm_prefetch((const char *)(next + 3 * K + k), _MM_HINT_T0);                                     \
+            if (next) { /* the next tile's four rows into L2, one cache line of each per 16 columns */        \
+                _mm_prefetch((const char *)(next + k), _MM_HINT_T1);                                             \
+                _mm_prefetch((const char *)(next + K + k), _MM_HINT_T1);                                         \
+                _mm_prefetch((const char *)(next + 2 * K + k), _MM_HINT_T1);                                     \
+                _mm_prefetch((const char *)(next + 3 * K + k), _MM_HINT_T1);                                     \
             }                                                                                                    \
             for (int m = 0; m < MR; m++) {                                                                       \
                 __m512 a = _mm512_loadu_ps(x + m * xs + k);                                                      \

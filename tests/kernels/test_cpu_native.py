@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kernels import attention, norm, rotary
 from kernels.backends import cpu_ops
 from kernels.cpu import load_library
+from kernels.cpu.build import LEVELS, cpu_level
 from kernels.cpu.ops import LINEAR_MAX_ROWS, NativeCPUOps
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
@@ -36,25 +37,37 @@ def test_cpu_dispatch_picks_the_native_kernels() -> None:
     assert ops.paged_prefill_attention is attention.paged_prefill_attention
 
 
-def test_portable_build_without_avx2_matches_the_reference(tmp_path) -> None:
-    """The plain C decode path (what CPUs without AVX2/FMA run), built into a fresh cache."""
-    code = """
+# The instruction sets below this CPU's (at least the portable C): what other CPUs run, built and checked here.
+LOWER_LEVELS = LEVELS[: max(1, LEVELS.index(cpu_level()))]
+
+
+@pytest.mark.parametrize("level", LOWER_LEVELS)
+def test_lower_instruction_set_builds_match_the_reference(tmp_path, level: str) -> None:
+    """Each lower level's build, in a fresh cache: decode attention (both task layouts, with and without a
+    window) and, from AVX-512 on, the linear kernel with float32 widening of bfloat16."""
+    code = f"""
 import torch
+import torch.nn.functional as F
 from kernels import attention
 from kernels.cpu import load_library
-from kernels.cpu.build import compiler_flags
+from kernels.cpu.build import build_level
 from kernels.cpu.ops import NativeCPUOps
 from tests.kernels.test_attention import make_batch
-assert "-mavx2" not in compiler_flags()
+assert build_level() == {level!r}
 native = NativeCPUOps(load_library())
+assert native.has_linear == ({level!r} == "avx512")
 # 5 sequences: one task per sequence on 2 threads; 2: one task per KV head.
 for rows in ([(1, 1), (1, 17), (1, 90), (1, 33), (1, 5)], [(1, 17), (1, 90)]):
     (k_cache, v_cache), (q, _, _), meta, _, _ = make_batch(rows, 6, 2, 16)
     for window in (None, 20):
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25, window)
         torch.testing.assert_close(native.paged_decode_attention(*args), attention.paged_decode_attention(*args))
+for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8)):
+    x, w, b = torch.randn(13, 100).to(dtype), (torch.randn(61, 100) / 10).to(dtype), torch.randn(61).to(dtype)
+    expected = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(native.linear(x, w, b).float(), expected, rtol=rtol, atol=1e-5)
 """
-    env = {**os.environ, "KSANA_CPU_KERNELS": "portable", "KSANA_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "KSANA_CPU_KERNELS": level, "KSANA_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     assert list(tmp_path.glob("cpu-kernels-*/libksana_cpu.so"))
 
