@@ -119,4 +119,6 @@ def load_library() -> ctypes.CDLL | None:
             fn = getattr(library, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
     library.linear_available.argtypes, library.linear_available.restype = (), _int
+    library.greedy_logprobs.argtypes = (_ptr, _i64, _i64, _ptr, _ptr, _int)  # float32 logits only
+    library.greedy_logprobs.restype = None
     return library

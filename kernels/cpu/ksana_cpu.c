@@ -409,6 +409,70 @@ static inline __m256 silu8(__m256 g) {
 DEFINE_KERNELS(f32, float)
 DEFINE_KERNELS(bf16, bf16_t)
 
+/* Greedy sampling's two numbers per row of float32 logits, in two passes over the row and no [rows, vocab]
+ * temporary: the index of the first maximum (as torch's argmax; a NaN counts as the maximum, the first one wins)
+ * and log_softmax's value there, -log(sum(exp(x - max))) (NaN where log_softmax gives NaN: a NaN or an infinite
+ * maximum). The sum's exp and order differ from torch's, so the log-probability agrees to float32 rounding. */
+void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *ids, float *logprobs,
+                     int nthreads) {
+    _Pragma("omp parallel for num_threads(nthreads) if (rows * vocab >= 4 * PARALLEL_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        float m = -INFINITY;
+        int64_t id = 0, i = 0;
+        int has_nan = 0;
+#ifdef KSANA_AVX2
+        if (vocab >= 8 && vocab < INT32_MAX) {
+            __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+            __m256i vidx = _mm256_setzero_si256(), cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i step = _mm256_set1_epi32(8);
+            for (; i + 8 <= vocab; i += 8) {
+                __m256 v = _mm256_loadu_ps(x + i);
+                __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+                vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                vmax = _mm256_blendv_ps(vmax, v, gt);
+                vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+                cur = _mm256_add_epi32(cur, step);
+            }
+            has_nan = _mm256_movemask_ps(vnan) != 0;
+            float lane_max[8];
+            int32_t lane_idx[8];
+            _mm256_storeu_ps(lane_max, vmax);
+            _mm256_storeu_si256((__m256i *)lane_idx, vidx);
+            id = lane_idx[0], m = lane_max[0];
+            for (int l = 1; l < 8; l++) /* lanes interleave indices: on a tie the smaller index is the first */
+                if (lane_max[l] > m || (lane_max[l] == m && lane_idx[l] < id)) m = lane_max[l], id = lane_idx[l];
+            if (m == -INFINITY) id = 0; /* no lane rose above -inf: every value so far is -inf */
+        }
+#endif
+        for (; i < vocab; i++) {
+            if (x[i] != x[i]) has_nan = 1;
+            else if (x[i] > m) m = x[i], id = i;
+        }
+        if (has_nan) {
+            for (id = 0; x[id] == x[id]; id++) {}
+            ids[r] = id;
+            logprobs[r] = NAN;
+            continue;
+        }
+        ids[r] = id;
+        if (!isfinite(m)) {
+            logprobs[r] = NAN;
+            continue;
+        }
+        float sum = 0.f;
+        i = 0;
+#ifdef KSANA_AVX2
+        __m256 vsum = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
+        for (; i + 8 <= vocab; i += 8)
+            vsum = _mm256_add_ps(vsum, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
+        sum = sum8(vsum);
+#endif
+        for (; i < vocab; i++) sum += expf(x[i] - m);
+        logprobs[r] = -logf(sum);
+    }
+}
+
 /* ---- Small-batch linear layers: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), for decode-sized M ----------------
  *
  * BLAS is tuned for big products; at decode's M (1-64 rows) MKL reaches a fraction of this CPU's matmul rate

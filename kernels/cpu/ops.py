@@ -16,9 +16,17 @@ import torch.nn.functional as F
 from kernels import activation, attention, norm, rotary
 from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
 
-# Rows up to which the native linear beats MKL/oneDNN on this class of CPU (measured with bench/kernels.py: about
-# 1.1-2x from 1 to 64 rows, even at 96, behind from 128); prefill-sized inputs go to BLAS.
+# Where the native linear beats MKL on this class of CPU. On smollm2's weights (inputs of 576 and 1536; a scratch
+# A/B in one process) it took 0.66-0.90x MKL's time from 1 to 64 rows, even at 80, 1.1-1.25x from 96. With inputs
+# of 4096 (bench/kernels.py) it is 1.8x faster at 16 rows but 0.84x at 64: six such input rows no longer fit in L1
+# beside the weight tile. Larger inputs (prefill) go to BLAS.
 LINEAR_MAX_ROWS = 64
+LINEAR_WIDE_INPUT = 2048  # above this many input features, only up to LINEAR_WIDE_MAX_ROWS rows
+LINEAR_WIDE_MAX_ROWS = 16
+
+
+def linear_is_native(rows: int, in_features: int) -> bool:
+    return rows <= (LINEAR_MAX_ROWS if in_features <= LINEAR_WIDE_INPUT else LINEAR_WIDE_MAX_ROWS)
 
 
 @attrs.frozen
@@ -67,6 +75,7 @@ class NativeCPUOps:
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
+        self._greedy_logprobs = library.greedy_logprobs
         # The address table (and windows) of the last ``DecodeLayers`` seen: a model passes the same one each step.
         self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor] | None = None
 
@@ -76,7 +85,8 @@ class NativeCPUOps:
         ``(hidden, residual)`` as the layer loop leaves them, or None when the step is not one it takes (more
         rows than the native linear serves, an unsupported dtype or layout), and the caller runs the loop."""
         rows = hidden.shape[0]
-        if not (self.has_linear and 0 < rows <= LINEAR_MAX_ROWS and hidden.dtype in DTYPE_SUFFIX
+        widest = max(model.hidden_size, model.num_heads * model.head_dim, model.intermediate_size)
+        if not (self.has_linear and rows > 0 and linear_is_native(rows, widest) and hidden.dtype in DTYPE_SUFFIX
                 and hidden.is_contiguous() and cos.dtype == sin.dtype == hidden.dtype and cos.is_contiguous()
                 and sin.is_contiguous() and meta.block_tables.stride(-1) == 1 and meta.seq_lens.is_contiguous()
                 and meta.slot_mapping.is_contiguous()
@@ -101,9 +111,21 @@ class NativeCPUOps:
             torch.get_num_threads())
         return hidden, residual
 
+    def greedy_logprobs(self, logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+        """Each row's argmax and log_softmax at it, without the [rows, vocab] log_softmax (float32 rows, as the
+        sampler has them; None otherwise)."""
+        if not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_contiguous()
+                and logits.device.type == "cpu"):
+            return None
+        rows, vocab = logits.shape
+        ids, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
+        self._greedy_logprobs(logits.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr(),
+                              torch.get_num_threads())
+        return ids.tolist(), logprobs.tolist()
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear`` for decode-sized inputs (at most ``LINEAR_MAX_ROWS`` rows); BLAS for the rest."""
-        if not (self.has_linear and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and x.stride(-1) == 1
+        if not (self.has_linear and x.dim() == 2 and linear_is_native(x.shape[0], x.shape[1]) and x.stride(-1) == 1
                 and x.dtype in DTYPE_SUFFIX and weight.dtype == x.dtype and weight.is_contiguous()
                 and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
             return F.linear(x, weight, bias)

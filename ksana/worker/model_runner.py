@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from events.messages import RemoteBlock, RemoteLoad, SampledToken, ScheduledRow, StepPlan, StepTimings
+from kernels.dispatch import get_ops
 from ksana.cache.remote_loading import RemoteKVStore
 from ksana.worker.attention_metadata import AttentionMetadata
 from ksana.worker.kv_cache import KVCache
@@ -27,7 +28,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(get_ops(self.device).greedy_logprobs)
         self.remote_store: RemoteKVStore | None = None
 
     def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:

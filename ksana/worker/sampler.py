@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -77,12 +77,25 @@ def _flat_index(per_row: Sequence[Sequence[int]], vocab_size: int, device: torch
 
 
 class Sampler:
-    """Stateless; call it once per step with float32 logits [N, V] and N rows."""
+    """Stateless; call it once per step with float32 logits [N, V] and N rows.
+
+    ``greedy_logprobs`` (a backend's ``KernelOps.greedy_logprobs``) takes steps where every row is plain greedy
+    and none asks for top logprobs: argmax and the chosen logprob in one native pass, no [N, V] log_softmax.
+    """
+
+    def __init__(self, greedy_logprobs: Callable[[torch.Tensor], tuple[list[int], list[float]] | None] | None = None):
+        self.greedy_logprobs = greedy_logprobs
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
+        if self.greedy_logprobs is not None and not any(
+            row.needs_processing or row.params.logprobs is not None for row in rows
+        ):
+            fast = self.greedy_logprobs(logits)
+            if fast is not None:
+                return SamplerOutput(token_ids=fast[0], logprobs=fast[1], top_logprobs=[None] * len(rows))
         # Raw logprobs (vLLM v1's default): what a greedy request reports equals HF's log_softmax of its logits.
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 

@@ -15,7 +15,14 @@ from kernels import attention, norm, rotary
 from kernels.backends import cpu_ops
 from kernels.cpu import load_library
 from kernels.cpu.build import LEVELS, cpu_level
-from kernels.cpu.ops import LINEAR_MAX_ROWS, NativeCPUOps
+from kernels.cpu.ops import (
+    LINEAR_MAX_ROWS,
+    LINEAR_WIDE_INPUT,
+    LINEAR_WIDE_MAX_ROWS,
+    DecodeLayers,
+    NativeCPUOps,
+    linear_is_native,
+)
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
 from tests.kernels.test_attention import HEAD_DIM, ROWS, dense_reference, make_batch
@@ -66,6 +73,11 @@ for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8)):
     x, w, b = torch.randn(13, 100).to(dtype), (torch.randn(61, 100) / 10).to(dtype), torch.randn(61).to(dtype)
     expected = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(native.linear(x, w, b).float(), expected, rtol=rtol, atol=1e-5)
+logits = torch.randn(3, 1003) * 3
+ids, logprobs = native.greedy_logprobs(logits)
+assert ids == logits.argmax(dim=-1).tolist()
+raw = torch.log_softmax(logits, dim=-1)
+torch.testing.assert_close(torch.tensor(logprobs), raw[torch.arange(3), ids], rtol=0, atol=1e-5)
 """
     env = {**os.environ, "KSANA_CPU_KERNELS": level, "KSANA_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
@@ -268,6 +280,17 @@ def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path
         assert torch.equal(a, b)
 
 
-def test_fused_decode_declines_batches_beyond_the_native_linear(native: NativeCPUOps) -> None:
-    hidden = torch.randn(LINEAR_MAX_ROWS + 1, 8)
-    assert native.decode_layers(None, hidden, hidden, hidden, None) is None
+@pytest.mark.parametrize(("rows", "intermediate_size"), [(LINEAR_MAX_ROWS + 1, 16), (LINEAR_WIDE_MAX_ROWS + 1, 4096)])
+def test_fused_decode_declines_batches_beyond_the_native_linear(native: NativeCPUOps, rows: int,
+                                                               intermediate_size: int) -> None:
+    """More rows than the native linear takes (fewer for wide layers): the caller runs the layer loop."""
+    model = DecodeLayers((), 8, 1, 1, 8, intermediate_size, 1e-6, 0.35)
+    hidden = torch.randn(rows, 8)
+    assert native.decode_layers(model, hidden, hidden, hidden, None) is None
+
+
+def test_linear_takes_wide_inputs_only_at_few_rows(native: NativeCPUOps) -> None:
+    assert linear_is_native(LINEAR_MAX_ROWS, LINEAR_WIDE_INPUT) and not linear_is_native(LINEAR_MAX_ROWS + 1, 64)
+    assert linear_is_native(LINEAR_WIDE_MAX_ROWS, 4096) and not linear_is_native(LINEAR_WIDE_MAX_ROWS + 1, 4096)
+    x, weight = torch.randn(LINEAR_WIDE_MAX_ROWS + 1, 4096), torch.randn(8, 4096)
+    assert torch.equal(native.linear(x, weight), F.linear(x, weight))  # BLAS's own result

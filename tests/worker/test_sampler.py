@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from kernels.backends import cpu_ops
 from ksana.sampling_params import SamplingParams
 from ksana.worker.sampler import Sampler, SamplingRow, fast_argmax, generator_seed
 
@@ -285,3 +286,49 @@ def test_greedy_batch_over_a_large_vocab_matches_argmax_and_log_softmax():
     assert out.token_ids == expected.tolist()
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprobs == raw.gather(1, expected.unsqueeze(1)).squeeze(1).tolist()
+
+
+# ---- the native greedy fast path (kernels/cpu: argmax and the chosen logprob in one pass) ------------------------
+fast_sampler = Sampler(cpu_ops().greedy_logprobs)
+
+
+def test_native_greedy_path_is_there():
+    assert fast_sampler.greedy_logprobs is not None  # the C kernels build on the test machine
+
+
+@pytest.mark.parametrize("vocab", [5, 1003, 49152])
+def test_native_greedy_matches_argmax_and_log_softmax(vocab: int):
+    """Vocabularies under one vector, with a tail, and smollm2's; ties keep the first maximum."""
+    logits = random_logits(16, vocab=vocab, seed=vocab)
+    logits[3, vocab // 2] = logits[3, vocab - 1] = logits[3].max() + 1  # a tie: the first index wins
+    out = fast_sampler(logits, [row(temperature=0.0) for _ in range(16)])
+    expected = logits.argmax(dim=-1)
+    assert out.token_ids == expected.tolist()
+    assert out.token_ids[3] == vocab // 2
+    raw = torch.log_softmax(logits, dim=-1).gather(1, expected.unsqueeze(1)).squeeze(1)
+    assert out.logprobs == pytest.approx(raw.tolist(), abs=1e-5)  # its own exp and summation order
+    assert out.top_logprobs == [None] * 16
+
+
+def test_native_greedy_special_values_follow_torch():
+    logits = random_logits(5, vocab=1000, seed=3)
+    logits[0, 700] = float("nan")  # NaN counts as the maximum, log_softmax is NaN
+    logits[0, 900] = float("nan")
+    logits[1] = float("-inf")  # argmax 0, log_softmax NaN
+    logits[2, 10] = logits[2, 20] = float("inf")  # the first +inf, log_softmax NaN
+    logits[3, :999] = float("-inf")  # one finite value: logprob 0
+    out = fast_sampler(logits, [row(temperature=0.0) for _ in range(5)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist() == [700, 0, 10, 999, out.token_ids[4]]
+    raw = torch.log_softmax(logits, dim=-1)
+    assert [math.isnan(lp) for lp in out.logprobs] == [True, True, True, False, False]
+    assert out.logprobs[3] == 0.0 and out.logprobs[4] == pytest.approx(raw[4, out.token_ids[4]].item(), abs=1e-5)
+
+
+def test_rows_asking_more_than_greedy_take_the_exact_path():
+    """Top logprobs or a processed row anywhere in the batch: the whole step goes through log_softmax."""
+    logits = random_logits(3, vocab=1000, seed=5)
+    raw = torch.log_softmax(logits, dim=-1)
+    for rows in ([row(temperature=0.0), row(temperature=0.0, logprobs=2), row(temperature=0.0)],
+                 [row(temperature=0.0), row(temperature=0.0, repetition_penalty=1.3, prompt=[1]), row(temperature=0.0)]):
+        out = fast_sampler(logits, rows)
+        assert out.logprobs == [raw[i, t].item() for i, t in enumerate(out.token_ids)]  # exactly torch's
