@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
+from ksana.worker.fresh_thread import run_in_fresh_thread  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -82,7 +83,9 @@ def bench_dtype(model: str, dtype_name: str, prompts, outputs, hf_batch_sizes) -
     print(f"{dtype_name}: ksana {ksana['output_tok_s']:.1f} tok/s", flush=True)
     hf = {}
     for bs in hf_batch_sizes:
-        hf[f"hf_batch_{bs}"] = run_hf(model_dir, dtype, prompts, outputs, bs)
+        # On a thread of its own, so its OpenMP pool goes with it and does not throttle the next Ksana run's
+        # (ksana/worker/fresh_thread.py); Ksana's idle worker thread may still hold a pool for its first seconds.
+        hf[f"hf_batch_{bs}"] = run_in_fresh_thread(run_hf, model_dir, dtype, prompts, outputs, bs)
         print(f"{dtype_name}: transformers batch {bs} {hf[f'hf_batch_{bs}']['output_tok_s']:.1f} tok/s", flush=True)
     baseline = max(hf.values(), key=lambda r: r["output_tok_s"])
     return {

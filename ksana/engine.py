@@ -24,6 +24,7 @@ from ksana.models.registry import load_model
 from ksana.scheduler.batch_scheduler import BatchScheduler
 from ksana.scheduler.scheduler_actor import SchedulerActor
 from ksana.tokenizer import load_tokenizer
+from ksana.worker.fresh_thread import run_in_fresh_thread
 from ksana.worker.kv_cache import KVCache
 from ksana.worker.memory_budget import plan_num_blocks
 from ksana.worker.model_runner import ModelRunner
@@ -85,7 +86,8 @@ class InferenceEngine:
                                                   config.setting.global_.num_threads)
             self.model = self.tp_runner.model
         else:
-            self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device)
+            # Tensor work of the start-up runs on a thread of its own: see ksana/worker/fresh_thread.py.
+            self.model = run_in_fresh_thread(load_model, self.model_dir, dtype=self.dtype, device=self.device)
         self.shape = self.model.shape
         logger.info("model loaded in %.1f s", time.perf_counter() - started)
 
@@ -106,8 +108,8 @@ class InferenceEngine:
         use_swa_pool = bool(windows) and sched.enable_auto_prefix_cache and tp_size == 1
         sliding_window = max(windows) if use_swa_pool else None
         num_swa_blocks = (config.setting.block_manager.num_swa_blocks or num_blocks) if use_swa_pool else 0
-        self.kv_cache = KVCache.allocate(kv_shape, num_blocks, block_size, self.dtype, self.device,
-                                         num_swa_blocks=num_swa_blocks)
+        self.kv_cache = run_in_fresh_thread(KVCache.allocate, kv_shape, num_blocks, block_size, self.dtype,
+                                            self.device, num_swa_blocks=num_swa_blocks)
         logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)%s", num_blocks, block_size,
                     num_blocks * block_size, num_blocks * bytes_per_block / 2**20,
                     f", {num_swa_blocks} SWA blocks" if num_swa_blocks else "")
