@@ -28,7 +28,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
-from ksana.worker.fresh_thread import run_in_fresh_thread  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -75,30 +74,38 @@ def run_hf(model_dir: Path, dtype: torch.dtype, prompts, outputs, batch_size: in
     return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed, "batch_size": batch_size}
 
 
-def bench_dtype(model: str, dtype_name: str, prompts, outputs, hf_batch_sizes) -> dict:
-    dtype = getattr(torch, dtype_name)
-    model_dir = resolve_model_dir(model)
-    print(f"{dtype_name}: ksana ...", flush=True)
-    ksana = run_ksana(model, dtype_name, prompts, outputs)
-    print(f"{dtype_name}: ksana {ksana['output_tok_s']:.1f} tok/s", flush=True)
-    hf = {}
-    for bs in hf_batch_sizes:
-        # On a thread of its own, so its OpenMP pool goes with it and does not throttle the next Ksana run's
-        # (ksana/worker/fresh_thread.py); Ksana's idle worker thread may still hold a pool for its first seconds.
-        hf[f"hf_batch_{bs}"] = run_in_fresh_thread(run_hf, model_dir, dtype, prompts, outputs, bs)
-        print(f"{dtype_name}: transformers batch {bs} {hf[f'hf_batch_{bs}']['output_tok_s']:.1f} tok/s", flush=True)
-    baseline = max(hf.values(), key=lambda r: r["output_tok_s"])
-    return {
-        "num_prompts": len(prompts),
-        "input_tokens": sum(len(p) for p in prompts),
-        "output_tokens": sum(outputs),
-        "ksana": ksana,
-        **hf,
-        "ksana_output_tok_s": ksana["output_tok_s"],
-        "hf_output_tok_s": baseline["output_tok_s"],
-        "hf_baseline": f"batch {baseline['batch_size']}",
-        "ratio": ksana["output_tok_s"] / baseline["output_tok_s"],
-    }
+def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes) -> dict[str, dict]:
+    """Every Ksana run first, then every ``transformers`` run on this (main) thread, as its users run it.
+
+    The order matters on a small CPU: libgomp keeps an OpenMP pool for each thread that ran a parallel region and
+    throttles them all once they outnumber the CPUs (see ksana/worker/fresh_thread.py), so a Ksana run after
+    ``transformers`` had run here would be slowed by this thread's pool. Ksana's own idle worker thread keeps its
+    pool for trio's 10 s thread-cache timeout, i.e. only the first seconds of the first ``transformers`` run."""
+    ksana = {}
+    for dtype_name in dtype_names:
+        print(f"{dtype_name}: ksana ...", flush=True)
+        ksana[dtype_name] = run_ksana(model, dtype_name, prompts, outputs)
+        print(f"{dtype_name}: ksana {ksana[dtype_name]['output_tok_s']:.1f} tok/s", flush=True)
+    report = {}
+    for dtype_name in dtype_names:
+        hf = {}
+        for bs in hf_batch_sizes:
+            hf[f"hf_batch_{bs}"] = run_hf(resolve_model_dir(model), getattr(torch, dtype_name), prompts, outputs, bs)
+            print(f"{dtype_name}: transformers batch {bs} {hf[f'hf_batch_{bs}']['output_tok_s']:.1f} tok/s",
+                  flush=True)
+        baseline = max(hf.values(), key=lambda r: r["output_tok_s"])
+        report[dtype_name] = {
+            "num_prompts": len(prompts),
+            "input_tokens": sum(len(p) for p in prompts),
+            "output_tokens": sum(outputs),
+            "ksana": ksana[dtype_name],
+            **hf,
+            "ksana_output_tok_s": ksana[dtype_name]["output_tok_s"],
+            "hf_output_tok_s": baseline["output_tok_s"],
+            "hf_baseline": f"batch {baseline['batch_size']}",
+            "ratio": ksana[dtype_name]["output_tok_s"] / baseline["output_tok_s"],
+        }
+    return report
 
 
 def main() -> None:
@@ -127,8 +134,7 @@ def main() -> None:
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    for dtype_name in args.dtypes.split(","):
-        report[dtype_name] = bench_dtype(args.model, dtype_name, prompts, outputs, hf_batch_sizes)
+    report |= run_all(args.model, args.dtypes.split(","), prompts, outputs, hf_batch_sizes)
 
     hf_columns = "".join(f"{f'hf b{bs} tok/s':>15}" for bs in hf_batch_sizes)
     print(f"\n{'dtype':<10}{'prompts':>8}{'out tok':>9}{'ksana tok/s':>13}{hf_columns}{'ratio':>8}")
