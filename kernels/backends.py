@@ -66,8 +66,8 @@ def npu_ops() -> KernelOps:
 @functools.cache
 def cpu_ops() -> KernelOps:
     """The native CPU kernels (``kernels/cpu``) for everything but ``rotary_cos_sin`` and prefill attention (SDPA's
-    flash kernel over the new tokens is already one fused call); the projections, and all layers of a decode step
-    in one call, only on AVX-512 CPUs and decode-sized inputs (BLAS otherwise); the torch reference when the
+    flash kernel over the new tokens is already one fused call); the projections over packed weights, and all
+    layers of a decode step in one call, only on AVX-512 CPUs (BLAS otherwise); the torch reference when the
     library cannot be built. Attention keeps the reference's store/decode/prefill composition, with native store
     and decode, so perf mode still times the two halves apart."""
     from kernels.cpu import load_library
@@ -83,7 +83,8 @@ def cpu_ops() -> KernelOps:
     projections: dict[str, Callable] = dict.fromkeys(
         ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down", "lm_head"), native.linear
     )
-    projections["decode_layers"] = native.decode_layers
+    projections |= {"decode_layers": native.decode_layers, "pack_weight": native.pack_weight,
+                    "embedding": native.embedding}
     return KernelOps(
         name="cpu-native",
         rms_norm=native.rms_norm,

@@ -25,7 +25,7 @@ SOURCE = Path(__file__).with_name("ksana_cpu.c")
 LIBRARY_NAME = "libksana_cpu.so"
 # "torch" forces the reference ops (to compare paths, or if the native build misbehaves); a level from LEVELS builds
 # for at most that instruction set (so the other CPUs' paths can be tested here): "portable" is the plain C
-# fallback, "avx2" adds AVX2/FMA, "avx512" the AVX-512 linear and fused decode.
+# fallback, "avx2" adds AVX2/FMA, "avx512" the AVX-512 linear, decode attention and fused decode.
 CPU_KERNELS_ENV = "KSANA_CPU_KERNELS"
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -36,7 +36,8 @@ SIGNATURES: dict[str, tuple] = {
     "silu_and_mul": (_ptr, _i64, _ptr, _i64, _i64, _int),
     "store_kv": (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64),
     "paged_decode": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _int),
-    "linear": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
+    "pack_weight": (_ptr, _i64, _i64, _ptr, _int),
+    "packed_linear": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
     "decode_layers": (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
                       _ptr, _i64, _f32, _f32, _int),
 }
@@ -61,12 +62,13 @@ def build_level() -> str:
 
 
 def compiler_flags() -> list[str]:
-    """-O3, plus per level: AVX2/FMA; the AVX-512 small-batch linear and fused decode (compiled for AVX-512
-    inside their own section only). Never -ffast-math, and no FMA contraction of elementwise code, so rounding
+    """-O3, plus per level: AVX2/FMA; the AVX-512 packed-weight linear, decode attention and fused decode
+    (compiled for AVX-512 inside their own sections only). Never -ffast-math, and no FMA contraction of elementwise code, so rounding
     matches torch's eager ops (attention and linear use FMA explicitly).
 
     bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``: on this VM's Xeon the
-    dot-product version measured 16-23% slower from 16 rows (a scratch A/B of both builds in one process)."""
+    dot-product version measured 16-23% slower from 16 rows (a scratch A/B of both builds in one process; that was
+    against the earlier dot-product tiles over torch's layout, not re-measured on the packed panels)."""
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
     level = LEVELS.index(build_level())
     if level >= LEVELS.index("avx2"):

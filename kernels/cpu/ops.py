@@ -15,33 +15,23 @@ import torch.nn.functional as F
 
 from kernels import activation, attention, norm, rotary
 from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
-
-# Where the native linear beats MKL on this class of CPU. On smollm2's weights (inputs of 576 and 1536; a scratch
-# A/B in one process) it took 0.66-0.90x MKL's time from 1 to 64 rows, even at 80, 1.1-1.25x from 96. With inputs
-# of 4096 (bench/kernels.py) it is 1.8x faster at 16 rows but 0.84x at 64: six such input rows no longer fit in L1
-# beside the weight tile. Larger inputs (prefill) go to BLAS.
-LINEAR_MAX_ROWS = 64
-LINEAR_WIDE_INPUT = 2048  # above this many input features, only up to LINEAR_WIDE_MAX_ROWS rows
-LINEAR_WIDE_MAX_ROWS = 16
-
-
-def linear_is_native(rows: int, in_features: int) -> bool:
-    return rows <= (LINEAR_MAX_ROWS if in_features <= LINEAR_WIDE_INPUT else LINEAR_WIDE_MAX_ROWS)
+from kernels.cpu.packed import PANEL, PackedWeight
 
 
 @attrs.frozen
 class DecodeLayerWeights:
-    """What ``decode_layers`` reads of one decoder layer, in the C table's order (biases may be None)."""
+    """What ``decode_layers`` reads of one decoder layer, in the C table's order (biases may be None; the
+    projections must be packed)."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | PackedWeight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | PackedWeight
     o_bias: torch.Tensor | None
     post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | PackedWeight
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | PackedWeight
     down_bias: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -49,7 +39,7 @@ class DecodeLayerWeights:
 
     def addresses(self) -> list[int]:
         tensors = attrs.astuple(self, recurse=False)[:-1]
-        return [0 if t is None else t.data_ptr() for t in tensors]
+        return [0 if t is None else _storage(t).data_ptr() for t in tensors]
 
 
 @attrs.frozen
@@ -82,11 +72,10 @@ class NativeCPUOps:
     def decode_layers(self, model: DecodeLayers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       meta) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every decoder layer of an all-decode step in one native call (see ``decode_layers`` in ksana_cpu.c):
-        ``(hidden, residual)`` as the layer loop leaves them, or None when the step is not one it takes (more
-        rows than the native linear serves, an unsupported dtype or layout), and the caller runs the loop."""
+        ``(hidden, residual)`` as the layer loop leaves them, or None when the step is not one it takes (weights
+        not packed, an unsupported dtype or layout), and the caller runs the loop."""
         rows = hidden.shape[0]
-        widest = max(model.hidden_size, model.num_heads * model.head_dim, model.intermediate_size)
-        if not (self.has_linear and rows > 0 and linear_is_native(rows, widest) and hidden.dtype in DTYPE_SUFFIX
+        if not (self.has_linear and rows > 0 and hidden.dtype in DTYPE_SUFFIX
                 and hidden.is_contiguous() and cos.dtype == sin.dtype == hidden.dtype and cos.is_contiguous()
                 and sin.is_contiguous() and meta.block_tables.stride(-1) == 1 and meta.seq_lens.is_contiguous()
                 and meta.slot_mapping.is_contiguous()
@@ -123,18 +112,41 @@ class NativeCPUOps:
                               torch.get_num_threads())
         return ids.tolist(), logprobs.tolist()
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear`` for decode-sized inputs (at most ``LINEAR_MAX_ROWS`` rows); BLAS for the rest."""
-        if not (self.has_linear and x.dim() == 2 and linear_is_native(x.shape[0], x.shape[1]) and x.stride(-1) == 1
-                and x.dtype in DTYPE_SUFFIX and weight.dtype == x.dtype and weight.is_contiguous()
-                and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | PackedWeight:
+        """``weight [N, K]`` as ``linear`` runs it fastest: packed panels on AVX-512 CPUs for the native dtypes,
+        else the tensor itself (which ``linear`` hands to BLAS)."""
+        if not (self.has_linear and weight.dim() == 2 and weight.dtype in DTYPE_SUFFIX
+                and weight.device.type == "cpu" and weight.numel() > 0):
+            return weight
+        out_features, in_features = weight.shape
+        weight = weight.contiguous()
+        packed = torch.empty(((out_features + PANEL - 1) // PANEL, in_features, PANEL), dtype=weight.dtype)
+        self._fns["pack_weight", weight.dtype](weight.data_ptr(), out_features, in_features, packed.data_ptr(),
+                                               torch.get_num_threads())
+        return PackedWeight(packed, out_features, in_features)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` over a packed weight (the native matmul, any number of rows); BLAS for a plain one."""
+        if not isinstance(weight, PackedWeight):
             return F.linear(x, weight, bias)
-        rows, cols = x.shape[0], weight.shape[0]
-        out = torch.empty((rows, cols), dtype=x.dtype)
-        self._fns["linear", x.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols,
-                                     weight.shape[1], torch.get_num_threads())
-        return out
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if not (rows.dtype == weight.dtype and rows.stride(-1) == 1 and rows.shape[-1] == weight.in_features
+                and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+            return F.linear(x, weight.dense(), bias)
+        out = torch.empty((rows.shape[0], weight.out_features), dtype=x.dtype)
+        if rows.shape[0] > 0:
+            self._fns["packed_linear", x.dtype](rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
+                                                None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                rows.shape[0], weight.out_features, weight.in_features,
+                                                torch.get_num_threads())
+        return out.view(*x.shape[:-1], weight.out_features)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+        """``F.embedding``; a packed table (tied to the head) is gathered from its panels."""
+        if isinstance(weight, PackedWeight):
+            return weight.rows(ids)
+        return F.embedding(ids, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not _rows_ok(x, weight):
@@ -209,8 +221,14 @@ class NativeCPUOps:
 
 
 def _decode_layer_ok(layer: DecodeLayerWeights, dtype: torch.dtype) -> bool:
-    tensors = [t for t in attrs.astuple(layer, recurse=False)[:-1] if t is not None]
-    return all(t.dtype == dtype and t.is_contiguous() for t in tensors)
+    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    tensors = [_storage(t) for t in attrs.astuple(layer, recurse=False)[:-1] if t is not None]
+    return (all(isinstance(p, PackedWeight) for p in projections)
+            and all(t.dtype == dtype and t.is_contiguous() for t in tensors))
+
+
+def _storage(t: torch.Tensor | PackedWeight) -> torch.Tensor:
+    return t.packed if isinstance(t, PackedWeight) else t
 
 
 def _rows_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:

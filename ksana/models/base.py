@@ -57,3 +57,7 @@ class CausalLM(torch.nn.Module):
     def tie_lm_head(self) -> None:
         """Share the input embedding as output projection (checkpoint without ``lm_head.weight``)."""
         raise NotImplementedError
+
+    def pack_weights(self) -> None:
+        """Once the weights are loaded: put them in the layout the device's kernels read fastest (a no-op where
+        the kernels take the checkpoint's layout)."""

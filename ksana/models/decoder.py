@@ -12,6 +12,7 @@ attributes per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from kernels.cpu.ops import DecodeLayers, DecodeLayerWeights
+from kernels.cpu.packed import PackedWeight
 from kernels.dispatch import KernelOps, OpTimer, get_ops
 from ksana.models.base import CausalLM, WeightSlot
 from ksana.models.parallel import Shard, TPGroup, rank_shape, vocab_range
@@ -45,6 +47,18 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _pack_parameter(module: nn.Module, name: str, pack: Callable) -> PackedWeight | None:
+    """Swap the parameter ``name`` for ``pack(it)`` when that packs it. The packed storage stays registered (as
+    ``<name>_packed``), so ``parameters()`` still counts the bytes the model holds."""
+    packed = pack(getattr(module, name).data)
+    if not isinstance(packed, PackedWeight):
+        return None
+    delattr(module, name)
+    setattr(module, name, packed)
+    module.register_parameter(f"{name}_packed", nn.Parameter(packed.packed, requires_grad=False))
+    return packed
 
 
 def _tp_rank_size(tp: TPGroup | None) -> tuple[int, int]:
@@ -114,6 +128,10 @@ class DecoderAttention(nn.Module):
             slots[f"{prefix}.o_proj.bias"] = WeightSlot(self.o_bias)
         return slots
 
+    def pack_weights(self, pack: Callable) -> None:
+        _pack_parameter(self, "qkv_weight", pack)
+        _pack_parameter(self, "o_weight", pack)
+
     def weight_shards(self, prefix: str) -> dict[str, Shard]:
         """The part of each checkpoint tensor this rank reads (empty without tensor parallelism)."""
         if self.all_reduce is None:
@@ -179,6 +197,10 @@ class DecoderMLP(nn.Module):
             if self.down_bias is not None:
                 slots[f"{prefix}.down_proj.bias"] = WeightSlot(self.down_bias)
         return slots
+
+    def pack_weights(self, pack: Callable) -> None:
+        _pack_parameter(self, "gate_up_weight", pack)
+        _pack_parameter(self, "down_weight", pack)
 
     def weight_shards(self, prefix: str) -> dict[str, Shard]:
         if self.all_reduce is None:
@@ -333,6 +355,22 @@ class DecoderForCausalLM(CausalLM):
     def tie_lm_head(self) -> None:
         self.tied = True
         self.lm_head_weight = self.embed_weight
+
+    def pack_weights(self) -> None:
+        """Every projection, and the head, in ``ops.pack_weight``'s layout (the native CPU matmul's panels). A
+        tied embedding is the packed head itself: the lookup gathers from the panels, so there is one copy."""
+        pack = self.plain_ops.pack_weight
+        if pack is None:
+            return
+        for layer in self.layers:
+            layer.self_attn.pack_weights(pack)
+            layer.mlp.pack_weights(pack)
+        tied = self.tied and self.lm_head_weight is self.embed_weight
+        head = _pack_parameter(self, "lm_head_weight", pack)
+        if head is not None and tied:
+            delattr(self, "embed_weight")
+            self.embed_weight = head
+        self._decode_layers_of = None
 
     # ---- perf-mode hooks ------------------------------------------------------------------------------------
     def set_profiler(self, profiler: OpProfiler | None) -> None:

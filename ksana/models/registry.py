@@ -61,4 +61,5 @@ def load_model(
     else:
         model = family(config, dtype=dtype, device=device, eos_token_ids=eos_token_ids, tp=tp)
     load_weights(model, model_dir)
+    model.pack_weights()
     return model.eval()

@@ -15,14 +15,8 @@ from kernels import attention, norm, rotary
 from kernels.backends import cpu_ops
 from kernels.cpu import load_library
 from kernels.cpu.build import LEVELS, cpu_level
-from kernels.cpu.ops import (
-    LINEAR_MAX_ROWS,
-    LINEAR_WIDE_INPUT,
-    LINEAR_WIDE_MAX_ROWS,
-    DecodeLayers,
-    NativeCPUOps,
-    linear_is_native,
-)
+from kernels.cpu.ops import NativeCPUOps
+from kernels.cpu.packed import PackedWeight, dense_weight
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
 from tests.kernels.test_attention import HEAD_DIM, ROWS, dense_reference, make_batch
@@ -59,6 +53,7 @@ from kernels import attention
 from kernels.cpu import load_library
 from kernels.cpu.build import build_level
 from kernels.cpu.ops import NativeCPUOps
+from kernels.cpu.packed import PackedWeight
 from tests.kernels.test_attention import make_batch
 assert build_level() == {level!r}
 native = NativeCPUOps(load_library())
@@ -72,7 +67,9 @@ for rows in ([(1, 1), (1, 17), (1, 90), (1, 33), (1, 5)], [(1, 17), (1, 90)]):
 for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8)):
     x, w, b = torch.randn(13, 100).to(dtype), (torch.randn(61, 100) / 10).to(dtype), torch.randn(61).to(dtype)
     expected = F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(native.linear(x, w, b).float(), expected, rtol=rtol, atol=1e-5)
+    packed = native.pack_weight(w)
+    assert isinstance(packed, PackedWeight) == ({level!r} == "avx512")
+    torch.testing.assert_close(native.linear(x, packed, b).float(), expected, rtol=rtol, atol=1e-5)
 logits = torch.randn(3, 1003) * 3
 ids, logprobs = native.greedy_logprobs(logits)
 assert ids == logits.argmax(dim=-1).tolist()
@@ -187,6 +184,28 @@ def test_bf16_decode_attention_is_as_accurate_as_the_reference(native: NativeCPU
     assert native_error.max() <= (reference.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 8])
+@pytest.mark.parametrize("batch", [5, 1])
+def test_decode_attention_head_sizes(native: NativeCPUOps, dtype: torch.dtype, head_dim: int, batch: int) -> None:
+    """The 16-lane task (head sizes a multiple of 16: whole and partial 64-wide chunks of P @ V) and the 8-lane
+    one, per sequence (5 sequences) and per KV head (1), against the torch reference on the same cache."""
+    gen = torch.Generator().manual_seed(head_dim * batch)
+    num_blocks, block_size, num_heads, num_kv_heads = 70, 16, 9, 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor([131, 1, 16, 47, 200][:batch])
+    block_tables = torch.randperm(num_blocks, generator=gen)[: batch * 13].view(batch, 13)
+    for window in (None, 37):
+        args = (q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5, window)
+        out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
+
+
 def test_decode_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
     """Blocks before the window may hold garbage (reused SWA blocks): NaNs there must not reach the output."""
     rows = [(1, 61), (1, 23)]
@@ -207,38 +226,64 @@ def test_unsupported_dtype_uses_the_reference(native: NativeCPUOps) -> None:
     assert torch.equal(native.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
 
 
-# ---- small-batch linear and the fused decode layers (AVX-512 builds) -------------------------------------------
+# ---- the packed-weight linear and the fused decode layers (AVX-512 builds) -------------------------------------
 def test_linear_is_native_exactly_on_avx512(native: NativeCPUOps) -> None:
     assert native.has_linear == (torch.backends.cpu.get_cpu_capability() == "AVX512")
     ops = cpu_ops()
     assert (ops.qkv_proj is not F.linear) == native.has_linear
     assert (ops.decode_layers is not None) == native.has_linear
+    assert (ops.pack_weight is not None) == native.has_linear
+
+
+# Rows: every decode tile (1-16, with 1, 2 or 4 panels a tile) and the 8-row prefill tiles with a partial last one.
+LINEAR_ROWS = [*range(1, 18), 24, 29, 64]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(1, 7, 37), (6, 64, 576), (7, 61, 48), (13, 130, 100), (LINEAR_MAX_ROWS, 96, 160)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 37), (64, 576), (61, 48), (130, 100), (49, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, rows: int, out_features: int,
-                              in_features: int, with_bias: bool) -> None:
-    """Tails of every tile shape: rows not a multiple of 6, outputs not of 4, inputs not of 16; strided rows."""
-    torch.manual_seed(rows * out_features)
-    wide = torch.randn(rows, in_features + 5).to(dtype)
-    x = wide[:, 2 : 2 + in_features]  # rows in_features + 5 apart
+def test_packed_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, out_features: int,
+                                     in_features: int, with_bias: bool) -> None:
+    """Every row count a tile shape handles, outputs not a multiple of the 16-column panel (and of the 2-4 panel
+    groups), strided input rows. (Without AVX-512 the weight stays as it is and BLAS runs: the same results.)"""
+    torch.manual_seed(out_features * in_features)
     weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
     bias = torch.randn(out_features).to(dtype) if with_bias else None
-    out = native.linear(x, weight, bias)
-    assert out.shape == (rows, out_features) and out.dtype == dtype
-    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    else:  # float32 accumulation, one rounding to bfloat16 at the end
-        torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
+    packed = native.pack_weight(weight)
+    assert isinstance(packed, PackedWeight) == native.has_linear and packed.shape == (out_features, in_features)
+    assert torch.equal(dense_weight(packed), weight)
+    for rows in LINEAR_ROWS:
+        wide = torch.randn(rows, in_features + 5).to(dtype)
+        x = wide[:, 2 : 2 + in_features]  # rows in_features + 5 apart
+        out = native.linear(x, packed, bias)
+        assert out.shape == (rows, out_features) and out.dtype == dtype
+        expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        else:  # float32 accumulation, one rounding to bfloat16 at the end
+            torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
 
 
-def test_linear_leaves_prefill_sized_inputs_to_blas(native: NativeCPUOps) -> None:
-    x, weight = torch.randn(LINEAR_MAX_ROWS + 1, 64), torch.randn(32, 64)
-    assert torch.equal(native.linear(x, weight), F.linear(x, weight))
+def test_packed_linear_edges(native: NativeCPUOps) -> None:
+    """Batched (3-d) inputs, zero rows, bfloat16 NaN kept quiet, an embedding lookup from the panels."""
+    weight = torch.randn(40, 24)
+    packed = native.pack_weight(weight)
+    x = torch.randn(2, 3, 24)
+    torch.testing.assert_close(native.linear(x, packed), F.linear(x, weight))
+    assert native.linear(torch.empty(0, 24), packed).shape == (0, 40)
+    ids = torch.tensor([0, 39, 16, 15, 17, 39])
+    assert torch.equal(native.embedding(ids, packed), weight[ids])
+    x16 = torch.randn(3, 24).bfloat16()
+    x16[1, 5] = float("nan")
+    out = native.linear(x16, native.pack_weight(weight.bfloat16()))
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+def test_plain_weights_and_other_dtypes_stay_with_blas(native: NativeCPUOps) -> None:
+    x, weight = torch.randn(5, 64), torch.randn(32, 64)
+    assert torch.equal(native.linear(x, weight), F.linear(x, weight))  # an unpacked weight: BLAS's own result
+    half = torch.randn(32, 64).half()
+    assert native.pack_weight(half) is half
 
 
 def _decode_steps(model, use_fused: bool, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -278,19 +323,3 @@ def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path
     assert len(fused) == 3
     for a, b in zip(fused + fused_cache, loop + loop_cache, strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize(("rows", "intermediate_size"), [(LINEAR_MAX_ROWS + 1, 16), (LINEAR_WIDE_MAX_ROWS + 1, 4096)])
-def test_fused_decode_declines_batches_beyond_the_native_linear(native: NativeCPUOps, rows: int,
-                                                               intermediate_size: int) -> None:
-    """More rows than the native linear takes (fewer for wide layers): the caller runs the layer loop."""
-    model = DecodeLayers((), 8, 1, 1, 8, intermediate_size, 1e-6, 0.35)
-    hidden = torch.randn(rows, 8)
-    assert native.decode_layers(model, hidden, hidden, hidden, None) is None
-
-
-def test_linear_takes_wide_inputs_only_at_few_rows(native: NativeCPUOps) -> None:
-    assert linear_is_native(LINEAR_MAX_ROWS, LINEAR_WIDE_INPUT) and not linear_is_native(LINEAR_MAX_ROWS + 1, 64)
-    assert linear_is_native(LINEAR_WIDE_MAX_ROWS, 4096) and not linear_is_native(LINEAR_WIDE_MAX_ROWS + 1, 4096)
-    x, weight = torch.randn(LINEAR_WIDE_MAX_ROWS + 1, 4096), torch.randn(8, 4096)
-    assert torch.equal(native.linear(x, weight), F.linear(x, weight))  # BLAS's own result

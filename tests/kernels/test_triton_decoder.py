@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.backends import triton_ops
+from kernels.cpu.packed import PackedWeight
 from kernels.dispatch import TORCH_OPS, KernelOps
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
@@ -28,10 +29,15 @@ PLAN = [
 
 
 def use_ops(model: torch.nn.Module, ops: KernelOps) -> None:
-    """Point every module of ``model`` that holds ops at ``ops`` (what ``get_ops`` decides at build time)."""
+    """Point every module of ``model`` that holds ops at ``ops``, with the weights in the checkpoint's layout
+    (what ``get_ops`` and the loader decide at build time: on an AVX-512 CPU the loader packed them for the native
+    matmul, which neither of these op sets reads)."""
     for module in model.modules():
         if hasattr(module, "ops"):
             module.ops = ops
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PackedWeight):
+                setattr(module, name, value.dense())
 
 
 def run(model, device: torch.device) -> list[torch.Tensor]:
