@@ -692,11 +692,11 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
-/* MR input rows (a[k * as + m], float32) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the
+/* MR input rows (a[k * MR + m], float32) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the
  * last panel, `last_mask`'s columns. `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
 #define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                      \
-    static void packed_tile_##SUF##_##MR##_##NP(const float *a, int64_t as, const T *w, int64_t panel_len,      \
-                                                int64_t K, const T *bias, T *out, int64_t ldo, int rows,        \
+    static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,      \
+                                                const T *bias, T *out, int64_t ldo, int rows,                   \
                                                 __mmask16 last_mask, int prefetch) {                            \
         __m512 acc[MR][NP];                                                                                      \
         _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++)                                                    \
@@ -709,7 +709,7 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
                     _mm_prefetch((const char *)(w + p * panel_len + k * PANEL + PACKED_PREFETCH), _MM_HINT_T0);   \
             }                                                                                                    \
             _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                              \
-                __m512 x = _mm512_set1_ps(a[k * as + m]);                                                        \
+                __m512 x = _mm512_set1_ps(a[k * MR + m]);                                                        \
                 _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++)                                             \
                     acc[m][p] = _mm512_fmadd_ps(x, b[p], acc[m][p]);                                             \
             }                                                                                                    \
@@ -735,7 +735,7 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
     DEFINE_PACKED_TILE(SUF, T, 4, 2) DEFINE_PACKED_TILE(SUF, T, 5, 2) DEFINE_PACKED_TILE(SUF, T, 6, 2)          \
     DEFINE_PACKED_TILE(SUF, T, 7, 2)                                                                             \
     DEFINE_PACKED_TILE(SUF, T, 8, 2) DEFINE_PACKED_TILE(SUF, T, 8, 3)                                            \
-    typedef void (*packed_tile_##SUF##_fn)(const float *, int64_t, const T *, int64_t, int64_t, const T *, T *,   \
+    typedef void (*packed_tile_##SUF##_fn)(const float *, const T *, int64_t, int64_t, const T *, T *,            \
                                            int64_t, int, __mmask16, int);                                        \
     /* [rows][0]: one panel; [rows][1]: the wide tile (panels_of_decode_tile) */                                 \
     static const packed_tile_##SUF##_fn packed_decode_tiles_##SUF[DECODE_ROWS + 1][2] = {                        \
@@ -784,16 +784,19 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
         int parallel = M * N * K >= LINEAR_PARALLEL_MIN;                                                         \
         _Pragma("omp parallel num_threads(nthreads) if (parallel)")                                              \
         {                                                                                                        \
+            int64_t k_blocks = (K + 63) / 64; /* split along K too: a decode step has one row tile */           \
             _Pragma("omp for schedule(static)")                                                                  \
-            for (int64_t t = 0; t < row_tiles; t++)                                                              \
+            for (int64_t tk = 0; tk < row_tiles * k_blocks; tk++) {                                              \
+                int64_t t = tk / k_blocks, k0 = tk % k_blocks * 64, k1 = k0 + 64 < K ? k0 + 64 : K;              \
                 for (int64_t m = 0; m < stride; m++) {                                                           \
                     int64_t row = t * stride + m;                                                                \
                     float *dst = a + t * stride * K + m;                                                         \
                     if (row < M)                                                                                 \
-                        for (int64_t k = 0; k < K; k++) dst[k * stride] = load_##SUF(x + row * x_stride + k);    \
+                        for (int64_t k = k0; k < k1; k++) dst[k * stride] = load_##SUF(x + row * x_stride + k);  \
                     else                                                                                         \
-                        for (int64_t k = 0; k < K; k++) dst[k * stride] = 0.f;                                   \
+                        for (int64_t k = k0; k < k1; k++) dst[k * stride] = 0.f;                                 \
                 }                                                                                                \
+            }                                                                                                    \
             int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                \
             int64_t groups = (panels + np - 1) / np;                                                             \
             _Pragma("omp for schedule(static)")                                                                  \
@@ -805,17 +808,17 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
                 const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
                 if (decode) {                                                                                    \
                     if (gp == np)                                                                                \
-                        packed_decode_tiles_##SUF[M][1](a, stride, wg, panel_len, K, bg, out + p0 * PANEL, N,    \
+                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, out + p0 * PANEL, N,    \
                                                          (int)M, mask, 1);                                       \
                     else                                                                                         \
                         for (int i = 0; i < gp; i++)                                                             \
-                            packed_decode_tiles_##SUF[M][0](a, stride, wg + i * panel_len, panel_len, K,         \
+                            packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,         \
                                                              bg ? bg + i * PANEL : NULL, out + (p0 + i) * PANEL, \
                                                              N, (int)M, i == gp - 1 ? mask : 0xffff, 1);         \
                 } else {                                                                                         \
                     for (int64_t t = 0; t < row_tiles; t++) {                                                    \
                         int rows = M - t * GEMM_MR < GEMM_MR ? (int)(M - t * GEMM_MR) : GEMM_MR;                 \
-                        packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, GEMM_MR, wg, panel_len, K, bg,          \
+                        packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, wg, panel_len, K, bg,          \
                                                     out + t * GEMM_MR * N + p0 * PANEL, N, rows, mask, t == 0);  \
                     }                                                                                            \
                 }                                                                                                \
