@@ -594,25 +594,35 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
         int64_t id = 0, i = 0;
         int has_nan = 0;
 #ifdef KSANA_AVX2
-        if (vocab >= 8 && vocab < INT32_MAX) {
-            __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
-            __m256i vidx = _mm256_setzero_si256(), cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            const __m256i step = _mm256_set1_epi32(8);
-            for (; i + 8 <= vocab; i += 8) {
-                __m256 v = _mm256_loadu_ps(x + i);
-                __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
-                vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-                vmax = _mm256_blendv_ps(vmax, v, gt);
-                vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
-                cur = _mm256_add_epi32(cur, step);
+        if (vocab >= 32 && vocab < INT32_MAX) { /* four independent chains of 8 lanes, so the compare-blend
+                                                  * latency does not pace the loop */
+            __m256 vmax[4], vnan = _mm256_setzero_ps();
+            __m256i vidx[4], cur[4];
+            const __m256i step = _mm256_set1_epi32(32);
+            for (int c = 0; c < 4; c++) {
+                vmax[c] = _mm256_set1_ps(-INFINITY);
+                vidx[c] = _mm256_setzero_si256();
+                cur[c] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
             }
+            for (; i + 32 <= vocab; i += 32)
+                for (int c = 0; c < 4; c++) {
+                    __m256 v = _mm256_loadu_ps(x + i + 8 * c);
+                    __m256 gt = _mm256_cmp_ps(v, vmax[c], _CMP_GT_OQ);
+                    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                    vmax[c] = _mm256_blendv_ps(vmax[c], v, gt);
+                    vidx[c] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx[c]),
+                                                                   _mm256_castsi256_ps(cur[c]), gt));
+                    cur[c] = _mm256_add_epi32(cur[c], step);
+                }
             has_nan = _mm256_movemask_ps(vnan) != 0;
-            float lane_max[8];
-            int32_t lane_idx[8];
-            _mm256_storeu_ps(lane_max, vmax);
-            _mm256_storeu_si256((__m256i *)lane_idx, vidx);
+            float lane_max[32];
+            int32_t lane_idx[32];
+            for (int c = 0; c < 4; c++) {
+                _mm256_storeu_ps(lane_max + 8 * c, vmax[c]);
+                _mm256_storeu_si256((__m256i *)(lane_idx + 8 * c), vidx[c]);
+            }
             id = lane_idx[0], m = lane_max[0];
-            for (int l = 1; l < 8; l++) /* lanes interleave indices: on a tie the smaller index is the first */
+            for (int l = 1; l < 32; l++) /* lanes interleave indices: on a tie the smaller index is the first */
                 if (lane_max[l] > m || (lane_max[l] == m && lane_idx[l] < id)) m = lane_max[l], id = lane_idx[l];
             if (m == -INFINITY) id = 0; /* no lane rose above -inf: every value so far is -inf */
         }
@@ -635,10 +645,14 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
         float sum = 0.f;
         i = 0;
 #ifdef KSANA_AVX2
-        __m256 vsum = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
+        __m256 vsum = _mm256_setzero_ps(), vsum2 = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
+        for (; i + 16 <= vocab; i += 16) {
+            vsum = _mm256_add_ps(vsum, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
+            vsum2 = _mm256_add_ps(vsum2, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vm)));
+        }
         for (; i + 8 <= vocab; i += 8)
             vsum = _mm256_add_ps(vsum, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
-        sum = sum8(vsum);
+        sum = sum8(_mm256_add_ps(vsum, vsum2));
 #endif
         for (; i < vocab; i++) sum += expf(x[i] - m);
         logprobs[r] = -logf(sum);
