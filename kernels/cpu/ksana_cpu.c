@@ -678,6 +678,7 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  */
 #if defined(KSANA_AVX512)
 #include <immintrin.h>
+#include <omp.h>
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 
@@ -813,7 +814,11 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
             }                                                                                                    \
             int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                \
             int64_t groups = (panels + np - 1) / np;                                                             \
-            _Pragma("omp for schedule(static)")                                                                  \
+            /* Dynamic chunks of about 1/8 of a thread's share: a thread the OS preempts (the event loop of a   \
+             * server shares these cores) leaves its chunks to the others instead of stalling the barrier. */   \
+            int64_t chunk = groups / (8 * (int64_t)omp_get_num_threads());                                       \
+            chunk = chunk < 1 ? 1 : chunk;                                                                       \
+            _Pragma("omp for schedule(dynamic, chunk)")                                                          \
             for (int64_t g = 0; g < groups; g++) {                                                               \
                 int64_t p0 = g * np;                                                                             \
                 int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                 \
