@@ -709,10 +709,10 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
 
 /* MR input rows (a[k * MR + m], float32) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the
  * last panel, `last_mask`'s columns. `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
-#define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                      \
-    static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,      \
-                                                const T *bias, T *out, int64_t ldo, int rows,                   \
-                                                __mmask16 last_mask, int prefetch) {                            \
+#define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                       \
+    static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,        \
+                                                const T *bias, T *out, int64_t ldo, int rows,                    \
+                                                __mmask16 last_mask, int prefetch) {                             \
         __m512 acc[MR][NP];                                                                                      \
         _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++)                                                    \
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) acc[m][p] = _mm512_setzero_ps();                \
@@ -721,7 +721,7 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
                 b[p] = w16_##SUF(w + p * panel_len + k * PANEL);                                                 \
                 if (prefetch)                                                                                    \
-                    _mm_prefetch((const char *)(w + p * panel_len + k * PANEL + PACKED_PREFETCH), _MM_HINT_T0);   \
+                    _mm_prefetch((const char *)(w + p * panel_len + k * PANEL + PACKED_PREFETCH), _MM_HINT_T0);  \
             }                                                                                                    \
             _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                              \
                 __m512 x = _mm512_set1_ps(a[k * MR + m]);                                                        \
@@ -739,18 +739,18 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
 
 /* Decode tiles: every row count up to 16, with enough panels for at least 8 accumulators in flight where the
  * rows are few, and one panel (for the last panels of a layer) at every row count. */
-#define DEFINE_PACKED_TILES(SUF, T)                                                                             \
-    DEFINE_PACKED_TILE(SUF, T, 1, 1) DEFINE_PACKED_TILE(SUF, T, 2, 1) DEFINE_PACKED_TILE(SUF, T, 3, 1)          \
-    DEFINE_PACKED_TILE(SUF, T, 4, 1) DEFINE_PACKED_TILE(SUF, T, 5, 1) DEFINE_PACKED_TILE(SUF, T, 6, 1)          \
-    DEFINE_PACKED_TILE(SUF, T, 7, 1) DEFINE_PACKED_TILE(SUF, T, 8, 1) DEFINE_PACKED_TILE(SUF, T, 9, 1)          \
-    DEFINE_PACKED_TILE(SUF, T, 10, 1) DEFINE_PACKED_TILE(SUF, T, 11, 1) DEFINE_PACKED_TILE(SUF, T, 12, 1)       \
-    DEFINE_PACKED_TILE(SUF, T, 13, 1) DEFINE_PACKED_TILE(SUF, T, 14, 1) DEFINE_PACKED_TILE(SUF, T, 15, 1)       \
+#define DEFINE_PACKED_TILES(SUF, T)                                                                              \
+    DEFINE_PACKED_TILE(SUF, T, 1, 1) DEFINE_PACKED_TILE(SUF, T, 2, 1) DEFINE_PACKED_TILE(SUF, T, 3, 1)           \
+    DEFINE_PACKED_TILE(SUF, T, 4, 1) DEFINE_PACKED_TILE(SUF, T, 5, 1) DEFINE_PACKED_TILE(SUF, T, 6, 1)           \
+    DEFINE_PACKED_TILE(SUF, T, 7, 1) DEFINE_PACKED_TILE(SUF, T, 8, 1) DEFINE_PACKED_TILE(SUF, T, 9, 1)           \
+    DEFINE_PACKED_TILE(SUF, T, 10, 1) DEFINE_PACKED_TILE(SUF, T, 11, 1) DEFINE_PACKED_TILE(SUF, T, 12, 1)        \
+    DEFINE_PACKED_TILE(SUF, T, 13, 1) DEFINE_PACKED_TILE(SUF, T, 14, 1) DEFINE_PACKED_TILE(SUF, T, 15, 1)        \
     DEFINE_PACKED_TILE(SUF, T, 16, 1)                                                                            \
-    DEFINE_PACKED_TILE(SUF, T, 1, 4) DEFINE_PACKED_TILE(SUF, T, 2, 4) DEFINE_PACKED_TILE(SUF, T, 3, 4)          \
-    DEFINE_PACKED_TILE(SUF, T, 4, 2) DEFINE_PACKED_TILE(SUF, T, 5, 2) DEFINE_PACKED_TILE(SUF, T, 6, 2)          \
+    DEFINE_PACKED_TILE(SUF, T, 1, 4) DEFINE_PACKED_TILE(SUF, T, 2, 4) DEFINE_PACKED_TILE(SUF, T, 3, 4)           \
+    DEFINE_PACKED_TILE(SUF, T, 4, 2) DEFINE_PACKED_TILE(SUF, T, 5, 2) DEFINE_PACKED_TILE(SUF, T, 6, 2)           \
     DEFINE_PACKED_TILE(SUF, T, 7, 2)                                                                             \
     DEFINE_PACKED_TILE(SUF, T, 8, 2) DEFINE_PACKED_TILE(SUF, T, 8, 3)                                            \
-    typedef void (*packed_tile_##SUF##_fn)(const float *, const T *, int64_t, int64_t, const T *, T *,            \
+    typedef void (*packed_tile_##SUF##_fn)(const float *, const T *, int64_t, int64_t, const T *, T *,           \
                                            int64_t, int, __mmask16, int);                                        \
     /* [rows][0]: one panel; [rows][1]: the wide tile (panels_of_decode_tile) */                                 \
     static const packed_tile_##SUF##_fn packed_decode_tiles_##SUF[DECODE_ROWS + 1][2] = {                        \
@@ -769,7 +769,7 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
 
 static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
 
-#define DEFINE_PACKED_LINEAR(SUF, T)                                                                            \
+#define DEFINE_PACKED_LINEAR(SUF, T)                                                                             \
     DEFINE_PACKED_TILES(SUF, T)                                                                                  \
     /* packed[p][k][j] = w[16p + j][k], zero for 16p + j >= N. */                                                \
     void pack_weight_##SUF(const T *w, int64_t N, int64_t K, T *packed, int nthreads) {                          \
@@ -788,18 +788,18 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
     }                                                                                                            \
                                                                                                                  \
     /* x: M rows `x_stride` apart; w: pack_weight's panels for N x K; bias: N or NULL; out: M x N, contiguous. */ \
-    void packed_linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,        \
+    void packed_linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,         \
                              int64_t N, int64_t K, int nthreads) {                                               \
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
         __mmask16 last_mask = (__mmask16)(N % PANEL ? (1u << (N % PANEL)) - 1u : 0xffffu);                       \
         int decode = M <= DECODE_ROWS;                                                                           \
-        int64_t stride = decode ? M : GEMM_MR, row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;            \
-        /* a[t][k][m] = x[t * stride + m][k] as float32, zero-padded to whole tiles */                          \
+        int64_t stride = decode ? M : GEMM_MR, row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;             \
+        /* a[t][k][m] = x[t * stride + m][k] as float32, zero-padded to whole tiles */                           \
         float *a = (float *)aligned_alloc(64, sizeof(float) * ((row_tiles * stride * K + 15) / 16 * 16));        \
         int parallel = M * N * K >= LINEAR_PARALLEL_MIN;                                                         \
         _Pragma("omp parallel num_threads(nthreads) if (parallel)")                                              \
         {                                                                                                        \
-            int64_t k_blocks = (K + 63) / 64; /* split along K too: a decode step has one row tile */           \
+            int64_t k_blocks = (K + 63) / 64; /* split along K too: a decode step has one row tile */            \
             _Pragma("omp for schedule(static)")                                                                  \
             for (int64_t tk = 0; tk < row_tiles * k_blocks; tk++) {                                              \
                 int64_t t = tk / k_blocks, k0 = tk % k_blocks * 64, k1 = k0 + 64 < K ? k0 + 64 : K;              \
@@ -814,30 +814,30 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
             }                                                                                                    \
             int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                \
             int64_t groups = (panels + np - 1) / np;                                                             \
-            /* Dynamic chunks of about 1/8 of a thread's share: a thread the OS preempts (the event loop of a   \
-             * server shares these cores) leaves its chunks to the others instead of stalling the barrier. */   \
+            /* Dynamic chunks of about 1/8 of a thread's share: a thread the OS preempts (the event loop of a    \
+             * server shares these cores) leaves its chunks to the others instead of stalling the barrier. */    \
             int64_t chunk = groups / (8 * (int64_t)omp_get_num_threads());                                       \
             chunk = chunk < 1 ? 1 : chunk;                                                                       \
             _Pragma("omp for schedule(dynamic, chunk)")                                                          \
             for (int64_t g = 0; g < groups; g++) {                                                               \
                 int64_t p0 = g * np;                                                                             \
-                int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                 \
+                int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                  \
                 __mmask16 mask = p0 + gp == panels ? last_mask : (__mmask16)0xffff;                              \
                 const T *wg = w + p0 * panel_len;                                                                \
                 const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
                 if (decode) {                                                                                    \
                     if (gp == np)                                                                                \
-                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, out + p0 * PANEL, N,    \
+                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, out + p0 * PANEL, N,            \
                                                          (int)M, mask, 1);                                       \
                     else                                                                                         \
                         for (int i = 0; i < gp; i++)                                                             \
-                            packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,         \
+                            packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,                 \
                                                              bg ? bg + i * PANEL : NULL, out + (p0 + i) * PANEL, \
                                                              N, (int)M, i == gp - 1 ? mask : 0xffff, 1);         \
                 } else {                                                                                         \
                     for (int64_t t = 0; t < row_tiles; t++) {                                                    \
                         int rows = M - t * GEMM_MR < GEMM_MR ? (int)(M - t * GEMM_MR) : GEMM_MR;                 \
-                        packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, wg, panel_len, K, bg,          \
+                        packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, wg, panel_len, K, bg,                   \
                                                     out + t * GEMM_MR * N + p0 * PANEL, N, rows, mask, t == 0);  \
                     }                                                                                            \
                 }                                                                                                \
