@@ -4,8 +4,9 @@ On a small CPU the eager torch reference spends most of a decode step outside th
 per layer, each paying dispatch and a thread-pool wake-up, and decode attention that copies every sequence's
 cached K/V out of its blocks before SDPA reads it again. These kernels do each op in one call, and decode
 attention reads K/V in place through the block tables, once. At decode's few rows MKL reaches a fraction of the
-CPU's bandwidth, so on AVX-512 CPUs a small-batch linear streams each weight once, and a decode step's layers
-run in one native call (no Python between the ops); prefill-sized matmuls stay with torch (MKL/oneDNN).
+CPU's bandwidth, so on AVX-512 CPUs the loader packs every projection's weights into 16-column panels
+(``kernels/cpu/packed.py``) that one native matmul streams once at decode sizes and tiles for prefill, and a
+decode step's layers run in one native call (no Python between the ops). Other CPUs keep torch's layout and BLAS.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
  * bfloat16 (suffix _bf16, stored as uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even)
  * at the points where torch's eager reference rounds, so both paths agree to the last bit in the elementwise ops
  * other than SiLU (whose exp differs by an ulp) and to float32 rounding error in the reductions. On AVX-512 builds
- * a small-batch linear and a whole decode step's layers (`decode_layers`) come on top (the end of this file).
+ * a 16-lane decode attention task and greedy sampler, the packed-weight linear and a whole decode step's layers
+ * (`decode_layers`) come on top (the last two at the end of this file).
  *
  * Threading: OpenMP regions use the libgomp that torch already loaded (same soname), so torch and these kernels
  * share one thread pool; the caller passes torch's thread count.

@@ -227,7 +227,7 @@ def test_unsupported_dtype_uses_the_reference(native: NativeCPUOps) -> None:
 
 
 # ---- the packed-weight linear and the fused decode layers (AVX-512 builds) -------------------------------------
-def test_linear_is_native_exactly_on_avx512(native: NativeCPUOps) -> None:
+def test_packed_linear_is_there_exactly_on_avx512(native: NativeCPUOps) -> None:
     assert native.has_linear == (torch.backends.cpu.get_cpu_capability() == "AVX512")
     ops = cpu_ops()
     assert (ops.qkv_proj is not F.linear) == native.has_linear
