@@ -265,7 +265,8 @@ def test_packed_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, o
 
 
 def test_packed_linear_edges(native: NativeCPUOps) -> None:
-    """Batched (3-d) inputs, zero rows, bfloat16 NaN kept quiet, an embedding lookup from the panels."""
+    """Batched (3-d) inputs, zero rows, a bfloat16 NaN that stays NaN in its row only, an embedding lookup from
+    the panels."""
     weight = torch.randn(40, 24)
     packed = native.pack_weight(weight)
     x = torch.randn(2, 3, 24)
