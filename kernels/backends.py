@@ -41,6 +41,7 @@ def triton_ops() -> KernelOps:
         apply_rotary=triton_rotary.apply_rotary,
         store_kv_cache=cache.store_kv_cache,
         paged_attention=triton_attention.paged_attention,
+        attend_cached=triton_attention.attend_cached,
     )
 
 

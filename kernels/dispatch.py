@@ -44,6 +44,9 @@ class KernelOps:
     # a timed copy then times them apart. None for a fused kernel, which is timed as one call.
     paged_decode_attention: Callable | None = attrs.field(repr=False, default=None)
     paged_prefill_attention: Callable | None = attrs.field(repr=False, default=None)
+    # A fused kernel's work after the store, ``(query, k_cache, v_cache, meta, scale, sliding_window)``, where the
+    # backend has it apart (Triton): a timed copy then times ``kv_cache_store`` and the attention separately.
+    attend_cached: Callable | None = attrs.field(repr=False, default=None)
     # Projections by role: ``(x, weight, bias=None)``; ``embedding`` is ``(ids, weight)``.
     embedding: Callable = attrs.field(repr=False, default=F.embedding)
     qkv_proj: Callable = attrs.field(repr=False, default=F.linear)
@@ -68,7 +71,8 @@ class KernelOps:
         When attention is the composition of store, decode and prefill (the reference), the timed copy composes
         the timed parts, so a mixed batch's attention is split into ``attention_decode`` and
         ``attention_prefill``. A fused attention kernel runs unchanged, timed as one call: ``attention_decode``
-        for an all-decode step, else ``attention_prefill``.
+        for an all-decode step, else ``attention_prefill``; its store apart where the backend gives
+        ``attend_cached``.
         """
         decode, prefill = self.paged_decode_attention, self.paged_prefill_attention
         if (decode is None or prefill is None) and self.paged_attention is attention.paged_attention:
@@ -80,8 +84,10 @@ class KernelOps:
                 timer.wrap("attention_decode", decode),
                 timer.wrap("attention_prefill", prefill),
             )
+        elif self.attend_cached is not None:
+            wrapped["paged_attention"] = _timed_fused_attention(timer, self.attend_cached, wrapped["store_kv_cache"])
         else:
-            wrapped["paged_attention"] = _timed_whole_attention(timer, self.paged_attention)
+            wrapped["paged_attention"] = _timed_fused_attention(timer, self.paged_attention)
         return attrs.evolve(self, name=f"{self.name}+timed", decode_layers=None, **wrapped)
 
 
@@ -105,13 +111,18 @@ OPERATOR_OF_FIELD: MappingProxyType[str, str] = MappingProxyType(
 )
 
 
-def _timed_whole_attention(timer: OpTimer, paged_attention: Callable) -> Callable:
-    as_decode = timer.wrap("attention_decode", paged_attention)
-    as_prefill = timer.wrap("attention_prefill", paged_attention)
+def _timed_fused_attention(timer: OpTimer, attention_fn: Callable, store: Callable | None = None) -> Callable:
+    """A fused kernel timed as one call per step, under the name of the step's kind. With ``store`` (timed),
+    ``attention_fn`` is the kernel's ``attend_cached`` and the store runs first; else it is the whole kernel."""
+    as_decode = timer.wrap("attention_decode", attention_fn)
+    as_prefill = timer.wrap("attention_prefill", attention_fn)
 
     def timed_paged_attention(query, key, value, k_cache, v_cache, meta, scale, sliding_window=None):
         fn = as_decode if meta.num_decodes == meta.num_seqs else as_prefill
-        return fn(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+        if store is None:
+            return fn(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+        store(key, value, k_cache, v_cache, meta.slot_mapping)
+        return fn(query, k_cache, v_cache, meta, scale, sliding_window)
 
     return timed_paged_attention
 

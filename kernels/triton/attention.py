@@ -432,6 +432,20 @@ def paged_attention(
     then one decode launch for the leading decode rows and one prefill launch for all the other sequences."""
     _check(query, k_cache, v_cache)
     store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    return attend_cached(query, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def attend_cached(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` after the store: both launches read every key from the cache. Apart, so that perf
+    mode can time the store and the attention separately without changing the launches."""
+    _check(query, k_cache, v_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_decodes = meta.num_decodes
     num_seqs = meta.seq_lens.shape[0]

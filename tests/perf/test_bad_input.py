@@ -114,6 +114,6 @@ def test_a_kv_pool_larger_than_memory_names_the_batch(tmp_path, capsys, monkeypa
     config = _write(tmp_path, batches={"batch_0": {"dp_0": [GOOD_BATCH]},
                                        "batch_1": {"dp_0": [{"forwarding_token_num": 1, "sequence_len": 100,
                                                              "request_num": 3}]}})
-    code, err = _perf(capsys, config)
+    code, err = _perf(capsys, config, "--device", "cpu")
     assert code == 2, err
     assert "batches.json: batch_1 needs 21 KV blocks" in err and "MiB of cpu memory available" in err

@@ -31,7 +31,7 @@ def _tokens(llm):
 
 def test_profiling_off_leaves_the_plain_kernels_in_place(llm):
     model = llm.engine.model
-    plain_ops = get_ops("cpu")
+    plain_ops = get_ops(llm.engine.device)
     assert model.profiler is None and model.ops is plain_ops
     assert all(layer.ops is layer.self_attn.ops is layer.mlp.ops is plain_ops for layer in model.layers)
     # The raw builtin or the native kernel's method (AVX-512): no wrapper on the hot path.
@@ -42,19 +42,21 @@ def test_profiling_off_leaves_the_plain_kernels_in_place(llm):
 def test_timed_forward_gives_the_same_tokens_and_counts_every_op(llm):
     model = llm.engine.model
     plain = _tokens(llm)
-    profiler = OperatorProfiler("cpu", model.shape.num_layers)
+    device = llm.engine.device
+    profiler = OperatorProfiler(device, model.shape.num_layers)
     model.set_profiler(profiler)
     try:
-        assert model.ops.name == f"{get_ops('cpu').name}+timed" and model.layers[1].mlp.ops is model.ops
+        assert model.ops.name == f"{get_ops(device).name}+timed" and model.layers[1].mlp.ops is model.ops
         timed = _tokens(llm)
         times = profiler.take()
     finally:
         model.set_profiler(None)
-    assert model.ops is get_ops("cpu")
+    assert model.ops is get_ops(device)
     assert timed == plain
     num_forwards = times.calls["embedding"]
     assert num_forwards == times.calls["lm_head"] >= 6
     assert times.calls["qkv_proj"] == times.calls["mlp_down"] == num_forwards * model.shape.num_layers
+    assert times.calls["kv_cache_store"] == num_forwards * model.shape.num_layers  # apart from attention
     assert times.calls["attention_prefill"] == len(PROMPTS) * model.shape.num_layers
     assert 0 < times.calls["attention_decode"] < num_forwards * model.shape.num_layers  # not in the first step
     assert times.calls["sampler"] == times.calls["all_reduce"] == 0  # the runner times the sampler
@@ -66,7 +68,7 @@ def test_timed_forward_gives_the_same_tokens_and_counts_every_op(llm):
 def test_layer_forward_round_repeats_layers_without_changing_outputs(llm):
     model = llm.engine.model
     plain = _tokens(llm)
-    profiler = OperatorProfiler("cpu", model.shape.num_layers)
+    profiler = OperatorProfiler(llm.engine.device, model.shape.num_layers)
     model.set_profiler(profiler)
     model.set_layer_forward_round(3)
     try:
@@ -114,6 +116,29 @@ def test_a_fused_attention_kernel_is_timed_whole():
     assert calls == [2, 1]
     assert (times.calls["attention_decode"], times.calls["attention_prefill"], times.calls["kv_cache_store"]) == (
         1, 1, 0)
+
+
+def test_a_fused_kernel_with_its_attention_apart_times_the_store_apart():
+    """Triton's case: ``attend_cached`` is the fused kernel after its store, so the store is timed on its own."""
+    calls = []
+
+    def attend(query, k_cache, v_cache, meta, scale, sliding_window=None):
+        calls.append(("attend", meta.num_decodes, sliding_window))
+        return 2 * query
+
+    ops = KernelOps(name="fused", rms_norm=None, fused_add_rms_norm=None, silu_and_mul=None, rotary_cos_sin=None,
+                    apply_rotary=None, store_kv_cache=lambda *args: calls.append(("store", len(args))),
+                    paged_attention=None, attend_cached=attend)
+    profiler = OperatorProfiler("cpu", num_layers=1)
+    timed = ops.timed(profiler)
+    (k_cache, v_cache), (q, k, v), meta, _, _ = make_batch([(1, 5), (1, 9)], 4, 2, 16)
+    assert torch.equal(timed.paged_attention(q, k, v, k_cache, v_cache, meta, 1.0, 6), 2 * q)
+    (k_cache, v_cache), (q, k, v), meta, _, _ = make_batch([(1, 5), (4, 9)], 4, 2, 16)
+    timed.paged_attention(q, k, v, k_cache, v_cache, meta, 1.0)
+    times = profiler.take()
+    assert calls == [("store", 5), ("attend", 2, 6), ("store", 5), ("attend", 1, None)]
+    assert (times.calls["attention_decode"], times.calls["attention_prefill"], times.calls["kv_cache_store"]) == (
+        1, 1, 2)
 
 
 def test_profiler_attributes_calls_to_layers_and_clears_on_take():

@@ -38,7 +38,7 @@ def run(tmp_path_factory):
     (folder / "model_perf_config.json").write_text(json.dumps(config))
     proc = subprocess.run(
         [sys.executable, "-m", "ksana.cli", "perf", "--config", str(folder / "model_perf_config.json"),
-         "--output-csv", str(folder / "result.csv"), "--num-threads", "1"],
+         "--output-csv", str(folder / "result.csv"), "--device", "cpu", "--num-threads", "1"],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
     result = json.loads((folder / "result.json").read_text()) if proc.returncode == 0 else None

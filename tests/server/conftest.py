@@ -52,8 +52,9 @@ class ServerProcess(ServeProcess):
 
 @pytest.fixture(scope="session")
 def server():
-    """The demo model with default settings, shared by every server test."""
-    process = ServerProcess("--model", "demo")
+    """The demo model with default settings, shared by every server test; float32 on any device (the default
+    on the CPU), so that the tests' references in float32 hold on a GPU too."""
+    process = ServerProcess("--model", "demo", "--dtype", "float32")
     import ksana.llm  # noqa: F401  (the heavy imports overlap with the server's start-up)
 
     yield process.wait_ready()
@@ -65,4 +66,4 @@ def demo_llm():
     """The offline engine on the same model: the reference the server's greedy streams must equal."""
     from ksana import LLM
 
-    return LLM(model="demo")
+    return LLM(model="demo", dtype="float32")

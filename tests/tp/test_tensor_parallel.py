@@ -16,7 +16,8 @@ from ksana.models.shape import ModelShape
 from tests.model_factory import make_checkpoint, random_prompts, tiny_config
 
 # A small pool, 4-token blocks, 8-token chunks and a 24-token step budget: chunked prefill and preemption.
-ENGINE = dict(num_device_blocks=14, block_token_num=4, split_fuse_token_num=8, max_step_tokens=24)
+# On the CPU (gloo) wherever the tests run: two ranks need two GPUs, and a machine with one would fail them.
+ENGINE = dict(num_device_blocks=14, block_token_num=4, split_fuse_token_num=8, max_step_tokens=24, device="cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT_LENGTHS = [5, 17, 40, 9, 23]
 FAILURE_DEADLINE_S = 30.0
@@ -38,7 +39,7 @@ def tp_llm():
     made: list[LLM] = []
 
     def build(model_dir, **overrides) -> LLM:
-        llm = LLM(model=str(model_dir), tensor_para_size=2, **overrides)
+        llm = LLM(model=str(model_dir), tensor_para_size=2, **{"device": "cpu", **overrides})
         made.append(llm)
         return llm
 

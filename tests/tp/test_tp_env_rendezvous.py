@@ -18,7 +18,7 @@ from ksana.worker.tp_runner import TPModelRunner
 from tests.model_factory import make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-ENGINE = dict(num_device_blocks=32, block_token_num=4)
+ENGINE = dict(num_device_blocks=32, block_token_num=4, device="cpu")  # gloo: two ranks need no two GPUs
 RENDEZVOUS_TIMEOUT_S = 30.0  # a rank that never shows up fails the test in bounded time instead of hanging it
 EXIT_WAIT_S = 20.0
 
@@ -68,7 +68,7 @@ def test_env_placed_rank_1_process_matches_tp1_and_exits_when_engine_closes(refe
     world = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
     for name in ("KSANA_TP_LOOPBACK", "KSANA_TP_DEVICE", "TORCHELASTIC_USE_AGENT_STORE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)  # the plain env:// rendezvous, not ksana's own spawning
-    rank1_env = dict(os.environ, **world, RANK="1", HF_HUB_OFFLINE="1")
+    rank1_env = dict(os.environ, **world, RANK="1", HF_HUB_OFFLINE="1", KSANA_TP_DEVICE="cpu")
     for name, value in {**world, "RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     _bounded_launch(monkeypatch)

@@ -22,7 +22,7 @@ def test_perf_run_with_tp2_times_the_all_reduce(tmp_path):
     (tmp_path / "model_perf_config.json").write_text(json.dumps(config))
     proc = subprocess.run(
         [sys.executable, "-m", "ksana.cli", "perf", "--config", str(tmp_path / "model_perf_config.json"),
-         "--no-progress"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+         "--no-progress", "--device", "cpu"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "result.json").read_text())

@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def tp_server():
-    process = ServerProcess("--model", "demo", "--tensor-para-size", "2")
+    process = ServerProcess("--model", "demo", "--tensor-para-size", "2", "--device", "cpu")
     try:
         yield process.wait_ready()
     finally:
@@ -39,7 +39,7 @@ def test_openai_completion_matches_single_process_engine(tp_server):
     ranks = _children(tp_server.proc.pid)
     assert len(ranks) == 1  # rank 0 is the server itself
 
-    expected = LLM(model="demo").generate("The quick brown", SamplingParams(temperature=0, max_tokens=16),
+    expected = LLM(model="demo", device="cpu").generate("The quick brown", SamplingParams(temperature=0, max_tokens=16),
                                           use_tqdm=False)[0].outputs[0]
     response = tp_server.client.post("/v1/completions", json={
         "model": "demo", "prompt": "The quick brown", "max_tokens": 16, "temperature": 0})
