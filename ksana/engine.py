@@ -15,6 +15,7 @@ import torch
 
 from events import Actor, EventLoop
 from events.clock import Clock
+from events.lane import BlockingLane
 from ksana.builtin import resolve_model_dir
 from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
 from ksana.cache.direct_cache_manager import num_blocks_for
@@ -130,13 +131,17 @@ class InferenceEngine:
                                                 sliding_window, num_swa_blocks, remote_store)
         self.scheduler = BatchScheduler(sched, block_size, num_blocks, self.max_token_len)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.shape)
+        # Every forward of the engine's life on one thread, across loops (each generate, a server's life): one
+        # OpenMP pool, and a lighter hand-off than trio's thread cache (events/lane.py).
+        self.forward_lane = BlockingLane("ksana-forward")
 
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks, if any (they are also stopped at exit)."""
+        """End the forward thread and stop the tensor-parallel ranks, if any (they are also stopped at exit)."""
+        self.forward_lane.close()
         if self.tp_runner is not None:
             self.tp_runner.close()
 
@@ -145,7 +150,7 @@ class InferenceEngine:
         loop = EventLoop(clock=clock)
         loop.register(SchedulerActor(self.scheduler))
         loop.register(CacheManagerActor(self.cache_manager))
-        loop.register(worker if worker is not None else WorkerActor(self.runner))
+        loop.register(worker if worker is not None else WorkerActor(self.runner, self.forward_lane))
         loop.register(io_actor)
         return loop
 

@@ -52,8 +52,9 @@ class ExecutedStep:
 class RecordingRunner:
     """The engine's ``ModelRunner`` behind the serving worker actor, noting each step's shape and timings.
 
-    Perf mode plugs it in with ``engine.build_loop(backend, worker=WorkerActor(RecordingRunner(engine.runner)))``:
-    the worker and the runner are the serving ones, the backend just reads what they measured.
+    Perf mode plugs it in with ``engine.build_loop(backend, worker=WorkerActor(recorder, engine.forward_lane))``,
+    ``recorder = RecordingRunner(engine.runner)``: the worker, its forward thread and the runner are the serving
+    ones, the backend just reads what they measured.
     """
 
     def __init__(self, runner: ModelRunner) -> None:

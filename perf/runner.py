@@ -148,7 +148,7 @@ def run_model_perf(
     )
 
     async def start() -> tuple[list[BatchResult], Any]:
-        loop = engine.build_loop(backend, worker=WorkerActor(recorder))
+        loop = engine.build_loop(backend, worker=WorkerActor(recorder, engine.forward_lane))
         async with loop.running():
             results = await backend.start_perf()
         return results, loop.trace

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from ksana import LLM, SamplingParams
@@ -105,3 +107,22 @@ def test_bad_input_is_a_clear_error(llm):
     # The engine keeps working after rejected requests, and nothing leaked.
     assert llm.generate(["ok"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
     assert llm.engine.cache_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_every_forward_runs_on_the_engines_one_forward_thread(llm):
+    """One thread for the engine's life (one OpenMP pool), across generate calls, never the caller's."""
+    runner, threads = llm.engine.runner, []
+    execute = runner.execute
+
+    def recording_execute(plan):
+        threads.append(threading.current_thread())
+        return execute(plan)
+
+    runner.execute = recording_execute
+    try:
+        for _ in range(2):
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    finally:
+        del runner.execute
+    assert len(threads) >= 6 and set(threads) == {llm.engine.forward_lane.thread}
+    assert threads[0].name == "ksana-forward" and threads[0] is not threading.main_thread()
