@@ -206,6 +206,29 @@ def test_decode_attention_head_sizes(native: NativeCPUOps, dtype: torch.dtype, h
             torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (10, 2), (12, 2), (14, 2), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_decode_attention_gqa_group_sizes(native: NativeCPUOps, dtype: torch.dtype, num_heads: int,
+                                          num_kv_heads: int, head_dim: int) -> None:
+    """The 16-lane task serves up to four query heads of a KV head per pass over its rows: groups of 1, 2, 4, 5,
+    6, 7 and 8 query heads (one pass, or four plus the rest), with a sequence per task and a KV head per task."""
+    gen = torch.Generator().manual_seed(num_heads * 100 + num_kv_heads * 10 + head_dim)
+    num_blocks, block_size = 40, 16
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    for batch, seq_lens in ((5, [70, 1, 16, 33, 9]), (1, [131])):
+        q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+        width = 9 if batch == 1 else 8  # blocks per sequence, enough for its longest
+        block_tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
+        args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5, None)
+        out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
+
 def test_decode_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
     """Blocks before the window may hold garbage (reused SWA blocks): NaNs there must not reach the output."""
     rows = [(1, 61), (1, 23)]
