@@ -286,15 +286,15 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
  * is loaded once for all of them. qk: the scores of 4 positions; pv: positions [j0, j1) into one 64-wide slice of
  * the QB accumulators, `chunks` of its 4 sixteen-lane chunks live (masked: head sizes 16, 48, 80, ...). */
 #define DEFINE_GQA_BLOCKS(SUF, T, QB)                                                                            \
-    static inline void qk_block_##SUF##_##QB(const float *q, const T *kc, const int64_t *rows, int64_t dim,     \
+    static inline void qk_block_##SUF##_##QB(const float *q, const T *kc, const int64_t *rows, int64_t dim,      \
                                              float scale, float *s, int64_t n, __m128 *vmax) {                   \
         const T *k0 = kc + rows[0], *k1 = kc + rows[1], *k2 = kc + rows[2], *k3 = kc + rows[3];                  \
         __m512 a[QB][4];                                                                                         \
         _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++)                                                     \
             a[b][0] = a[b][1] = a[b][2] = a[b][3] = _mm512_setzero_ps();                                         \
         for (int64_t d = 0; d < dim; d += 16) {                                                                  \
-            __m512 x0 = load16_##SUF(k0 + d), x1 = load16_##SUF(k1 + d);                                        \
-            __m512 x2 = load16_##SUF(k2 + d), x3 = load16_##SUF(k3 + d);                                        \
+            __m512 x0 = load16_##SUF(k0 + d), x1 = load16_##SUF(k1 + d);                                         \
+            __m512 x2 = load16_##SUF(k2 + d), x3 = load16_##SUF(k3 + d);                                         \
             _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                               \
                 __m512 qv = _mm512_loadu_ps(q + b * dim + d);                                                    \
                 a[b][0] = _mm512_fmadd_ps(qv, x0, a[b][0]);                                                      \
@@ -304,13 +304,13 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
             }                                                                                                    \
         }                                                                                                        \
         _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                                   \
-            __m128 sc = _mm_mul_ps(sum4x8(fold16(a[b][0]), fold16(a[b][1]), fold16(a[b][2]), fold16(a[b][3])),  \
+            __m128 sc = _mm_mul_ps(sum4x8(fold16(a[b][0]), fold16(a[b][1]), fold16(a[b][2]), fold16(a[b][3])),   \
                                    _mm_set1_ps(scale));                                                          \
             _mm_storeu_ps(s + b * n, sc);                                                                        \
             vmax[b] = _mm_max_ps(vmax[b], sc);                                                                   \
         }                                                                                                        \
     }                                                                                                            \
-    static inline void pv_block_##SUF##_##QB(const float *s, int64_t n, const T *vc, const int64_t *kv_rows,    \
+    static inline void pv_block_##SUF##_##QB(const float *s, int64_t n, const T *vc, const int64_t *kv_rows,     \
                                              int64_t j0, int64_t j1, int chunks, float *acc, int64_t dim,        \
                                              int fetch) {                                                        \
         __mmask16 m[4];                                                                                          \
@@ -324,8 +324,8 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                 for (int64_t d = 0; d < 16 * chunks; d += 64 / (int64_t)sizeof(T))                               \
                     _mm_prefetch((const char *)(vc + kv_rows[j + DECODE_PREFETCH] + d), _MM_HINT_T1);            \
             const T *v = vc + kv_rows[j];                                                                        \
-            __m512 x0 = load16m_##SUF(v, m[0]), x1 = load16m_##SUF(v + 16, m[1]);                                      \
-            __m512 x2 = load16m_##SUF(v + 32, m[2]), x3 = load16m_##SUF(v + 48, m[3]);                                 \
+            __m512 x0 = load16m_##SUF(v, m[0]), x1 = load16m_##SUF(v + 16, m[1]);                                \
+            __m512 x2 = load16m_##SUF(v + 32, m[2]), x3 = load16m_##SUF(v + 48, m[3]);                           \
             _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                               \
                 __m512 w = _mm512_set1_ps(s[b * n + j]);                                                         \
                 r[b][0] = _mm512_fmadd_ps(w, x0, r[b][0]);                                                       \
@@ -339,37 +339,37 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                 _mm512_mask_storeu_ps(acc + b * dim + 16 * c, m[c], r[b][c]);                                    \
     }
 
-#define DEFINE_DECODE_AVX512(SUF, T)                                                                            \
+#define DEFINE_DECODE_AVX512(SUF, T)                                                                             \
     DEFINE_GQA_BLOCKS(SUF, T, 1)                                                                                 \
     DEFINE_GQA_BLOCKS(SUF, T, 2)                                                                                 \
     DEFINE_GQA_BLOCKS(SUF, T, 3)                                                                                 \
     DEFINE_GQA_BLOCKS(SUF, T, 4)                                                                                 \
-    static void decode_task_avx512_##SUF(const float *qf, const T *k_cache, const T *v_cache,                   \
+    static void decode_task_avx512_##SUF(const float *qf, const T *k_cache, const T *v_cache,                    \
                                          const int64_t *kv_rows, int64_t n, int64_t group, int64_t head_group,   \
                                          int64_t dim, float scale, float *scores, float *acc, T *out) {          \
         float maxs[group], sums[group];                                                                          \
         __m128 vmax[group];                                                                                      \
-        for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY, vmax[g] = _mm_set1_ps(-INFINITY);              \
+        for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY, vmax[g] = _mm_set1_ps(-INFINITY);               \
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
             int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
-            for (int64_t g0 = 0; g0 < group;) {                                                                    \
-                int64_t h = g0 / head_group, g_end = (h + 1) * head_group; /* heads g0.. share KV head h */     \
+            for (int64_t g0 = 0; g0 < group;) {                                                                  \
+                int64_t h = g0 / head_group, g_end = (h + 1) * head_group; /* heads g0.. share KV head h */      \
                 int qb = (int)(g_end - g0 < 4 ? g_end - g0 : 4);                                                 \
                 const T *kc = k_cache + h * dim;                                                                 \
                 const float *qg = qf + g0 * dim;                                                                 \
                 float *sg = scores + g0 * n;                                                                     \
                 int64_t i = t0;                                                                                  \
                 for (; i + 4 <= t1; i += 4) {                                                                    \
-                    if (g0 % head_group == 0 && i + DECODE_PREFETCH + 4 <= n) /* the KV head's first pass */    \
+                    if (g0 % head_group == 0 && i + DECODE_PREFETCH + 4 <= n) /* the KV head's first pass */     \
                         for (int p = 0; p < 4; p++)                                                              \
                             for (int64_t d = 0; d < dim; d += 64 / (int64_t)sizeof(T))                           \
                                 _mm_prefetch((const char *)(kc + kv_rows[i + DECODE_PREFETCH + p] + d),          \
                                              _MM_HINT_T1);                                                       \
                     switch (qb) {                                                                                \
-                    case 1: qk_block_##SUF##_1(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;   \
-                    case 2: qk_block_##SUF##_2(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;   \
-                    case 3: qk_block_##SUF##_3(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;   \
-                    default: qk_block_##SUF##_4(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;  \
+                    case 1: qk_block_##SUF##_1(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
+                    case 2: qk_block_##SUF##_2(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
+                    case 3: qk_block_##SUF##_3(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
+                    default: qk_block_##SUF##_4(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;   \
                     }                                                                                            \
                 }                                                                                                \
                 for (; i < t1; i++) {                                                                            \
@@ -418,9 +418,9 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                     float *ag = acc + g0 * dim + d0;                                                             \
                     int fetch = g0 % head_group == 0;                                                            \
                     switch (qb) {                                                                                \
-                    case 1: pv_block_##SUF##_1(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break; \
-                    case 2: pv_block_##SUF##_2(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break; \
-                    case 3: pv_block_##SUF##_3(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break; \
+                    case 1: pv_block_##SUF##_1(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break;  \
+                    case 2: pv_block_##SUF##_2(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break;  \
+                    case 3: pv_block_##SUF##_3(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break;  \
                     default: pv_block_##SUF##_4(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break; \
                     }                                                                                            \
                 }                                                                                                \
