@@ -40,11 +40,16 @@ async def run_blocking(fn: Callable[..., T], *args: Any) -> T:
     idle and would jump virtual time to the next deadline (a timeout, a sleeping actor) while the thread works.
     Inline, the work takes zero virtual time, which is what a virtual-clock run wants.
     """
-    clock = trio.lowlevel.current_clock()
-    if isinstance(clock, trio.testing.MockClock) and clock.autojump_threshold != math.inf:
+    if blocking_runs_inline():
         await trio.lowlevel.checkpoint()
         return fn(*args)
     return await trio.to_thread.run_sync(fn, *args)
+
+
+def blocking_runs_inline() -> bool:
+    """True under an autojumping ``MockClock``, where blocking work must run inline (see ``run_blocking``)."""
+    clock = trio.lowlevel.current_clock()
+    return isinstance(clock, trio.testing.MockClock) and clock.autojump_threshold != math.inf
 
 
 class WallClock:
