@@ -12,12 +12,14 @@ from events.errors import (
     MailboxFullError,
     UnroutableMessageError,
 )
+from events.lane import BlockingLane
 from events.loop import EventLoop
 from events.trace import Trace, TraceRecord
 
 __all__ = [
     "Actor",
     "ActorError",
+    "BlockingLane",
     "Clock",
     "DeadlockError",
     "DuplicateActorError",

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from events import Actor, EventLoop
+from events import Actor, BlockingLane, EventLoop
 from events.clock import Clock
-from events.lane import BlockingLane
 from ksana.builtin import resolve_model_dir
 from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
 from ksana.cache.direct_cache_manager import num_blocks_for

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from events import Actor, handles
-from events.lane import BlockingLane
+from events import Actor, BlockingLane, handles
 from events.messages import ExecuteStep, StepResult
 from ksana.worker.model_runner import ModelRunner
 
