@@ -2,7 +2,10 @@
 
 1. Both ceilings of this machine, measured in the same run (before and after the decode runs, best of each):
    read bandwidth (a large float32 tensor's ``sum``, and a matrix-vector product, on all threads) and the float32
-   matmul rate (a square GEMM).
+   matmul rate (a square GEMM). Beside them, not part of the bound: the rate at which the engine's own projection
+   kernel streams one weight matrix of the model's size from memory at each batch's row count. Where the arithmetic
+   of B rows and the weight stream do not overlap fully, this is below the read bandwidth, and a step made of
+   nothing but that one uninterrupted matmul could not beat it; "step/kernel" sets the step against it.
 2. Decode at batch 1 and 16 (float32) through ``LLM.generate``: B prompts of a fixed context, ``ignore_eos``. Per
    steady decode step (every row decoding, the full batch), the worker step (``ExecuteStep`` handling in the
    event trace) and the whole step (from one ``ExecuteStep`` start to the next, and from one ``TokensOut`` to the
@@ -42,6 +45,7 @@ from typing import Any
 import attrs
 import orjson
 import torch
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -92,15 +96,21 @@ def measure_read_bandwidth(mib: int, repeats: int) -> dict[str, Any]:
             "by_reader_bytes_per_s": {name: x.numel() * 4 / t for name, t in best.items()}}
 
 
-def measure_ceilings(settings: Settings) -> dict[str, Any]:
+def measure_ceilings(settings: Settings, hidden_size: int) -> dict[str, Any]:
     return {"read_bandwidth": measure_read_bandwidth(settings.bandwidth_mib, settings.ceiling_repeats),
-            "matmul": measure_matmul_rate(settings.gemm_n, settings.ceiling_repeats)}
+            "matmul": measure_matmul_rate(settings.gemm_n, settings.ceiling_repeats),
+            "streamed_matmul": {str(rows): measure_streamed_matmul(settings.bandwidth_mib, hidden_size, rows,
+                                                                   settings.ceiling_repeats)
+                                for rows in settings.batches}}
 
 
 def best_ceilings(*runs: dict[str, Any]) -> dict[str, Any]:
     """Per ceiling, the best of several measurements (the machine is shared: a slow one saw a neighbour)."""
+    rows = runs[0]["streamed_matmul"]
     return {"read_bandwidth": max((r["read_bandwidth"] for r in runs), key=lambda c: c["bytes_per_s"]),
-            "matmul": max((r["matmul"] for r in runs), key=lambda c: c["flop_per_s"])}
+            "matmul": max((r["matmul"] for r in runs), key=lambda c: c["flop_per_s"]),
+            "streamed_matmul": {b: max((r["streamed_matmul"][b] for r in runs), key=lambda c: c["bytes_per_s"])
+                                for b in rows}}
 
 
 def measure_matmul_rate(n: int, repeats: int) -> dict[str, float]:
@@ -110,6 +120,25 @@ def measure_matmul_rate(n: int, repeats: int) -> dict[str, float]:
     torch.mm(a, b, out=out)
     best = min(_timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeats))
     return {"n": n, "best_s": best, "flop_per_s": 2 * n**3 / best}
+
+
+def measure_streamed_matmul(mib: int, in_features: int, rows: int, repeats: int) -> dict[str, Any]:
+    """Weight bytes/s of the engine's CPU projection (``lm_head`` of ``get_ops("cpu")``: the packed AVX-512 kernel
+    where it runs, BLAS otherwise) over one ``mib`` MiB float32 weight with ``in_features`` columns, at ``rows``
+    input rows; best of repeats. At the default 512 MiB the weight is larger than this VM's 260 MB L3, so every
+    pass streams it from memory (``--quick``'s 64 MiB only checks the script)."""
+    from kernels.dispatch import get_ops
+
+    ops = get_ops("cpu")
+    weight = torch.randn(mib * 2**20 // (4 * in_features), in_features) * 0.02
+    nbytes = weight.numel() * 4
+    if ops.pack_weights is not None:
+        weight = next(ops.pack_weights([weight]))
+    x = torch.randn(rows, in_features)
+    ops.lm_head(x, weight)
+    best = min(_timed(lambda: ops.lm_head(x, weight)) for _ in range(repeats))
+    return {"rows": rows, "in_features": in_features, "bytes": nbytes, "best_s": best, "bytes_per_s": nbytes / best,
+            "kernel": "packed" if ops.pack_weights is not None else "blas"}
 
 
 def _timed(fn) -> float:
@@ -269,12 +298,16 @@ def decode_bench(llm: LLM, recorder: StepRecorder, batch: int, context: int, num
 
 
 def add_roofline(result: dict[str, Any], shape: ModelShape, ceilings: dict[str, Any]) -> None:
-    """Each step's bound from its own sequence lengths; medians of the bounds and of step/bound."""
+    """Each step's bound from its own sequence lengths; medians of the bounds and of step/bound. Beside them the
+    kernel bound: the weights at the streamed-matmul rate of this batch's rows, plus the KV at the read bandwidth."""
     bytes_per_s = ceilings["read_bandwidth"]["bytes_per_s"]
     flop_per_s = ceilings["matmul"]["flop_per_s"]
+    stream_per_s = ceilings["streamed_matmul"][str(result["batch"])]["bytes_per_s"]
     steps = result["steps"]
-    bounds = [roofline_bound(decode_step_cost(shape, s["seq_lens"]), bytes_per_s, flop_per_s) for s in steps]
-    cost = decode_step_cost(shape, steps[len(steps) // 2]["seq_lens"])
+    costs = [decode_step_cost(shape, s["seq_lens"]) for s in steps]
+    bounds = [roofline_bound(c, bytes_per_s, flop_per_s) for c in costs]
+    kernel_bound = [c["weight_bytes"] / stream_per_s + c["kv_bytes"] / bytes_per_s for c in costs]
+    cost = costs[len(steps) // 2]
     bound = [b["bound_s"] for b in bounds]
     period = [s["period_s"] for s in steps]
     result.update({
@@ -288,6 +321,8 @@ def add_roofline(result: dict[str, Any], shape: ModelShape, ceilings: dict[str, 
         "worker_ratio": statistics.median(s["worker_step_s"] / b for s, b in zip(steps, bound, strict=True)),
         "step_ratio": statistics.median(p / b for p, b in zip(period, bound, strict=True)),
         "pct_of_roofline": 100 * statistics.median(b / p for p, b in zip(period, bound, strict=True)),
+        "kernel_bound_s": statistics.median(kernel_bound),
+        "step_kernel_ratio": statistics.median(p / b for p, b in zip(period, kernel_bound, strict=True)),
     })
 
 
@@ -363,7 +398,8 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     }
     # Again after the decode runs; the best of each counts. On a thread of its own, like the engine's start-up, so
     # that this thread keeps no OpenMP pool to throttle the engine's forward thread (ksana/worker/fresh_thread.py).
-    ceiling_runs = [run_in_fresh_thread(measure_ceilings, settings)]
+    hidden_size = AutoConfig.from_pretrained(str(resolve_model_dir(settings.model))).hidden_size
+    ceiling_runs = [run_in_fresh_thread(measure_ceilings, settings, hidden_size)]
 
     max_batch = max(settings.batches)
     max_len = max(max(settings.contexts) + settings.decode_tokens, settings.prefill_len) + 2
@@ -379,7 +415,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
             shape = llm.engine.shape
             decode = [decode_bench(llm, recorder, batch, context, settings.decode_tokens, settings.skip_steps, rng)
                       for context in settings.contexts for batch in settings.batches]
-            ceiling_runs.append(run_in_fresh_thread(measure_ceilings, settings))
+            ceiling_runs.append(run_in_fresh_thread(measure_ceilings, settings, hidden_size))
             report["ceilings"] = ceilings = best_ceilings(*ceiling_runs)
             report["ceiling_runs"] = ceiling_runs
             for d in decode:
@@ -423,10 +459,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"ceilings (best of {len(report['ceiling_runs'])} measurements): read {bw['bytes_per_s'] / 1e9:.1f} GB/s "
         f"({bw['bytes'] / 2**20:.0f} MiB: {readers}), float32 matmul "
         f"{c['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s ({c['matmul']['n']}^3 GEMM)",
+        f"streamed matmul (the engine's projection kernel over one {bw['bytes'] / 2**20:.0f} MiB weight): "
+        + ", ".join(f"{b} rows {m['bytes_per_s'] / 1e9:.1f} GB/s" for b, m in c["streamed_matmul"].items()),
         "",
-        "decode, float32 (ms; medians over steady decode steps; bound = max(mem, flop))",
+        "decode, float32 (ms; medians over steady decode steps; bound = max(mem, flop); kernel = weights at the "
+        "streamed-matmul rate + KV at the read rate)",
         f"{'batch':>5}{'ctx':>6}{'MB/step':>9}{'GFLOP':>7}{'mem':>7}{'flop':>7}{'bound':>7}{'fwd':>7}"
-        f"{'worker':>8}{'step':>7}{'tok-out':>8}{'step/bound':>11}{'% roofline':>11}",
+        f"{'worker':>8}{'step':>7}{'tok-out':>8}{'step/bound':>11}{'% roofline':>11}{'kernel':>8}{'step/kernel':>12}",
     ]
     for d in report.get("decode", []):
         tok = d["tokens_out_step_s"]
@@ -435,6 +474,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{d['memory_s'] * 1e3:>7.1f}{d['compute_s'] * 1e3:>7.1f}{d['bound_s'] * 1e3:>7.1f}"
             f"{d['forward_s'] * 1e3:>7.1f}{d['worker_step_s'] * 1e3:>8.1f}{d['step_s'] * 1e3:>7.1f}"
             f"{(tok or 0) * 1e3:>8.1f}{d['step_ratio']:>10.2f}x{d['pct_of_roofline']:>10.0f}%"
+            f"{d['kernel_bound_s'] * 1e3:>8.1f}{d['step_kernel_ratio']:>11.2f}x"
         )
     lines += ["", f"prefill, one {next(iter(report['prefill'].values()))['prompt_len']}-token prompt "
               "(medians of alternating runs; best/best: the fastest run of each)",

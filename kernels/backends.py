@@ -84,7 +84,7 @@ def cpu_ops() -> KernelOps:
     projections: dict[str, Callable] = dict.fromkeys(
         ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down", "lm_head"), native.linear
     )
-    projections |= {"decode_layers": native.decode_layers, "pack_weight": native.pack_weight,
+    projections |= {"decode_layers": native.decode_layers, "pack_weights": native.pack_weights,
                     "embedding": native.embedding}
     return KernelOps(
         name="cpu-native",

@@ -58,9 +58,10 @@ class KernelOps:
     # ``(kernels.cpu.ops.DecodeLayers, hidden, cos, sin, meta) -> (hidden, residual) | None`` (None: not this
     # step; run the layers one by one). A timed copy drops it, so perf mode times every op.
     decode_layers: Callable | None = attrs.field(repr=False, default=None)
-    # ``(weight [N, K]) -> what the projections (and ``embedding``) take``: a backend's preferred layout, made
-    # once after loading (the native CPU matmul's packed panels). None: the projections take the tensor as is.
-    pack_weight: Callable | None = attrs.field(repr=False, default=None)
+    # ``(weights [N, K] ...) -> what the projections (and ``embedding``) take, one per weight``: a backend's
+    # preferred layout, made once after loading (the native CPU matmul's packed panels, back to back in the order
+    # given). None: the projections take the tensors as they are.
+    pack_weights: Callable | None = attrs.field(repr=False, default=None)
     # Greedy rows' tokens and log-probabilities without a full log_softmax, where a backend has it:
     # ``(float32 logits [N, V]) -> (token ids, logprobs) | None`` (None: not these logits). The sampler's fast path.
     greedy_logprobs: Callable | None = attrs.field(repr=False, default=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Iterator
 
 import attrs
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels import activation, attention, norm, rotary
 from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
-from kernels.cpu.packed import PANEL, PackedWeight
+from kernels.cpu.packed import PANEL, PackedWeight, packed_numel
 
 
 @attrs.frozen
@@ -115,15 +116,41 @@ class NativeCPUOps:
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | PackedWeight:
         """``weight [N, K]`` as ``linear`` runs it fastest: packed panels on AVX-512 CPUs for the native dtypes,
         else the tensor itself (which ``linear`` hands to BLAS)."""
-        if not (self.has_linear and weight.dim() == 2 and weight.dtype in DTYPE_SUFFIX
-                and weight.device.type == "cpu" and weight.numel() > 0):
-            return weight
-        out_features, in_features = weight.shape
-        weight = weight.contiguous()
-        packed = torch.empty(((out_features + PANEL - 1) // PANEL, in_features, PANEL), dtype=weight.dtype)
-        self._fns["pack_weight", weight.dtype](weight.data_ptr(), out_features, in_features, packed.data_ptr(),
-                                               torch.get_num_threads())
-        return PackedWeight(packed, out_features, in_features)
+        return next(self.pack_weights([weight]))
+
+    def pack_weights(self, weights: list[torch.Tensor | None]) -> Iterator[torch.Tensor | PackedWeight]:
+        """``pack_weight`` of each, in order, with the packed ones back to back in one buffer per dtype.
+
+        A model passes its weights in the order a decode step reads them, so the end of one projection's panels
+        runs straight into the next one's: one stream for the hardware prefetcher, where separate allocations
+        restart it at every call (smollm2's 120 projections at 16 rows: 4-5% less time in one-process A/Bs).
+        Each result is yielded as soon as it is packed and ``weights[i]`` is read only then, so a caller that
+        swaps it in and sets ``weights[i] = None`` frees each original before the next is packed: the buffer's
+        pages are touched one weight at a time, and the peak stays near one copy of the weights."""
+        shapes = [(w.dtype, tuple(w.shape)) if self._packable(w) else None for w in weights]
+        sizes: dict[torch.dtype, int] = {}
+        for dtype, (out_features, in_features) in filter(None, shapes):
+            sizes[dtype] = sizes.get(dtype, 0) + packed_numel(out_features, in_features)
+        buffers = {dtype: torch.empty(size, dtype=dtype) for dtype, size in sizes.items()}
+        offsets = dict.fromkeys(buffers, 0)
+        for i, shape in enumerate(shapes):
+            weight = weights[i]
+            if shape is None:
+                yield weight
+                continue
+            dtype, (out_features, in_features) = shape
+            start, size = offsets[dtype], packed_numel(out_features, in_features)
+            offsets[dtype] = start + size
+            packed = buffers[dtype][start:start + size].view(-1, in_features, PANEL)
+            weight = weight.contiguous()
+            self._fns["pack_weight", dtype](weight.data_ptr(), out_features, in_features, packed.data_ptr(),
+                                            torch.get_num_threads())
+            del weight
+            yield PackedWeight(packed, out_features, in_features)
+
+    def _packable(self, weight: torch.Tensor) -> bool:
+        return (self.has_linear and weight.dim() == 2 and weight.dtype in DTYPE_SUFFIX
+                and weight.device.type == "cpu" and weight.numel() > 0)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:

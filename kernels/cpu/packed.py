@@ -1,6 +1,6 @@
 """Linear weights repacked for the native AVX-512 matmul: panels of 16 output columns, each ``[K, 16]``.
 
-Packing happens once, after the checkpoint is loaded (``KernelOps.pack_weight``); the model then holds a
+Packing happens once, after the checkpoint is loaded (``KernelOps.pack_weights``); the model then holds a
 ``PackedWeight`` where it held the ``[N, K]`` tensor, and only the native CPU ops ever receive one. A tied
 embedding table is packed with the head and looked up from the panels, so the model keeps one copy of it.
 """
@@ -11,6 +11,11 @@ import attrs
 import torch
 
 PANEL = 16  # output columns per panel (PANEL in ksana_cpu.c)
+
+
+def packed_numel(out_features: int, in_features: int) -> int:
+    """Elements of a packed ``[out_features, in_features]`` weight: whole panels, the last one zero-padded."""
+    return (out_features + PANEL - 1) // PANEL * in_features * PANEL
 
 
 @attrs.frozen(eq=False)

@@ -12,7 +12,6 @@ attributes per layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -49,10 +48,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _pack_parameter(module: nn.Module, name: str, pack: Callable) -> PackedWeight | None:
-    """Swap the parameter ``name`` for ``pack(it)`` when that packs it. The packed storage stays registered (as
-    ``<name>_packed``), so ``parameters()`` still counts the bytes the model holds."""
-    packed = pack(getattr(module, name).data)
+def _swap_in_packed(module: nn.Module, name: str, packed: torch.Tensor | PackedWeight) -> PackedWeight | None:
+    """Swap the parameter ``name`` for its packed form when the backend packed it. The packed storage stays
+    registered (as ``<name>_packed``), so ``parameters()`` still counts the bytes the model holds."""
     if not isinstance(packed, PackedWeight):
         return None
     delattr(module, name)
@@ -128,9 +126,8 @@ class DecoderAttention(nn.Module):
             slots[f"{prefix}.o_proj.bias"] = WeightSlot(self.o_bias)
         return slots
 
-    def pack_weights(self, pack: Callable) -> None:
-        _pack_parameter(self, "qkv_weight", pack)
-        _pack_parameter(self, "o_weight", pack)
+    # The projection weights a backend may repack, in the order a forward reads them.
+    packable_weights = ("qkv_weight", "o_weight")
 
     def weight_shards(self, prefix: str) -> dict[str, Shard]:
         """The part of each checkpoint tensor this rank reads (empty without tensor parallelism)."""
@@ -198,9 +195,7 @@ class DecoderMLP(nn.Module):
                 slots[f"{prefix}.down_proj.bias"] = WeightSlot(self.down_bias)
         return slots
 
-    def pack_weights(self, pack: Callable) -> None:
-        _pack_parameter(self, "gate_up_weight", pack)
-        _pack_parameter(self, "down_weight", pack)
+    packable_weights = ("gate_up_weight", "down_weight")  # as the attention's
 
     def weight_shards(self, prefix: str) -> dict[str, Shard]:
         if self.all_reduce is None:
@@ -357,19 +352,23 @@ class DecoderForCausalLM(CausalLM):
         self.lm_head_weight = self.embed_weight
 
     def pack_weights(self) -> None:
-        """Every projection, and the head, in ``ops.pack_weight``'s layout (the native CPU matmul's panels). A
-        tied embedding is the packed head itself: the lookup gathers from the panels, so there is one copy."""
-        pack = self.plain_ops.pack_weight
+        """Every projection, and the head, in ``ops.pack_weights``' layout (the native CPU matmul's panels), in
+        the order a decode step reads them, so the backend can lay them out as one stream. A tied embedding is
+        the packed head itself: the lookup gathers from the panels, so there is one copy."""
+        pack = self.plain_ops.pack_weights
         if pack is None:
             return
-        for layer in self.layers:
-            layer.self_attn.pack_weights(pack)
-            layer.mlp.pack_weights(pack)
+        slots = [(module, name) for layer in self.layers for module in (layer.self_attn, layer.mlp)
+                 for name in module.packable_weights]
+        slots.append((self, "lm_head_weight"))
         tied = self.tied and self.lm_head_weight is self.embed_weight
-        head = _pack_parameter(self, "lm_head_weight", pack)
-        if head is not None and tied:
+        weights = [getattr(module, name).data for module, name in slots]
+        for i, ((module, name), packed) in enumerate(zip(slots, pack(weights), strict=True)):
+            _swap_in_packed(module, name, packed)
+            weights[i] = None  # the original goes before the next one is packed (see ``pack_weights``)
+        if tied and isinstance(self.lm_head_weight, PackedWeight):
             delattr(self, "embed_weight")
-            self.embed_weight = head
+            self.embed_weight = self.lm_head_weight
         self._decode_layers_of = None
 
     # ---- perf-mode hooks ------------------------------------------------------------------------------------

@@ -44,6 +44,21 @@ def test_ceilings_are_measured_and_positive(report):
     assert c["matmul"]["n"] == SETTINGS["gemm_n"]
 
 
+def test_the_projection_kernel_is_timed_streaming_at_every_batchs_row_count(report):
+    streamed = report["ceilings"]["streamed_matmul"]
+    assert sorted(streamed) == sorted(str(b) for b in SETTINGS["batches"])
+    hidden = report["shape"]["hidden_size"]
+    for rows, m in streamed.items():
+        assert m["rows"] == int(rows) and m["in_features"] == hidden
+        # Whole rows of `hidden` float32 columns, as close under the setting's size as they fit.
+        assert SETTINGS["bandwidth_mib"] * 2**20 - 4 * hidden < m["bytes"] <= SETTINGS["bandwidth_mib"] * 2**20
+        assert m["bytes_per_s"] == pytest.approx(m["bytes"] / m["best_s"])
+    # The best of the runs: no single run saw a faster stream than the one kept.
+    for run in report["ceiling_runs"]:
+        for rows, m in run["streamed_matmul"].items():
+            assert m["bytes_per_s"] <= streamed[rows]["bytes_per_s"]
+
+
 def test_decode_rows_cover_every_batch_and_context_and_bound_each_ceiling(report):
     decode = report["decode"]
     assert sorted((d["batch"], d["context"]) for d in decode) == [(1, 24), (3, 24)]
@@ -58,6 +73,11 @@ def test_decode_rows_cover_every_batch_and_context_and_bound_each_ceiling(report
         assert d["step_ratio"] > 0 and d["worker_ratio"] > 0
         assert 0 < d["pct_of_roofline"]
         assert d["pct_of_roofline"] == pytest.approx(100 / d["step_ratio"], rel=0.5)
+        # The kernel bound: weights at this batch's streamed-matmul rate, KV at the read rate.
+        stream = report["ceilings"]["streamed_matmul"][str(d["batch"])]["bytes_per_s"]
+        kernel = d["weight_bytes_per_step"] / stream + d["kv_bytes_per_step"] / bandwidth
+        assert d["kernel_bound_s"] == pytest.approx(kernel, rel=0.2)
+        assert d["step_kernel_ratio"] == pytest.approx(d["step_s"] / d["kernel_bound_s"], rel=0.5)
         assert 0 < d["forward_s"] <= d["worker_step_s"] <= d["step_s"]  # nested spans, per step and so in medians
         # A decode step's sequences are past their prompt: context + 1 (first token) onwards.
         assert d["mean_seq_len"] > d["context"]

@@ -255,7 +255,7 @@ def test_packed_linear_is_there_exactly_on_avx512(native: NativeCPUOps) -> None:
     ops = cpu_ops()
     assert (ops.qkv_proj is not F.linear) == native.has_linear
     assert (ops.decode_layers is not None) == native.has_linear
-    assert (ops.pack_weight is not None) == native.has_linear
+    assert (ops.pack_weights is not None) == native.has_linear
 
 
 # Rows: every decode tile (1-16, with 1, 2 or 4 panels a tile) and the 8-row prefill tiles with a partial last one.
@@ -310,6 +310,30 @@ def test_plain_weights_and_other_dtypes_stay_with_blas(native: NativeCPUOps) -> 
     assert native.pack_weight(half) is half
 
 
+def test_pack_weights_lays_the_packed_weights_back_to_back_in_the_order_given(native: NativeCPUOps) -> None:
+    """One buffer per dtype, each weight starting where the one before it ends (a decode step's weights become
+    one stream); unpackable weights come back as they are, in their place; each is read only when it is packed,
+    so a caller can drop the originals as it goes. (Without AVX-512 nothing packs: every weight comes back.)"""
+    weights = [torch.randn(40, 24), torch.randn(16, 24).half(), torch.randn(33, 48), torch.randn(8, 24).bfloat16(),
+               torch.randn(17, 24).bfloat16(), torch.randn(5, 7)]
+    expected = [w.clone() for w in weights]
+    results = []
+    for i, result in enumerate(native.pack_weights(weights)):
+        results.append(result)
+        weights[i] = None  # what a model does; the next weight must still pack
+    assert results[1] is not None and results[1].dtype == torch.float16 and torch.equal(results[1], expected[1])
+    packed = [r for r in results if isinstance(r, PackedWeight)]
+    assert len(packed) == (5 if native.has_linear else 0)
+    for result, original in zip(results, expected, strict=True):
+        assert torch.equal(dense_weight(result), original)
+    for dtype in (torch.float32, torch.bfloat16) if packed else ():
+        same = [r.packed for r in packed if r.dtype == dtype]
+        base = same[0].untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for t in same), "one buffer per dtype"
+        for before, after in zip(same, same[1:], strict=False):
+            assert after.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
+
+
 def _decode_steps(model, use_fused: bool, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A prefill of 5 sequences (one past the SWA windows), then 3 all-decode steps; the decode steps' hidden
     states and the final KV cache."""
@@ -347,3 +371,24 @@ def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path
     assert len(fused) == 3
     for a, b in zip(fused + fused_cache, loop + loop_cache, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa"])
+def test_a_loaded_models_projections_are_one_stream_in_decode_order(native: NativeCPUOps, tmp_path,
+                                                                    family: str) -> None:
+    """Layer by layer qkv, o, gate_up, down, then the head, each packed weight starting where the one before it
+    ends; a tied embedding is the head's panels (one copy), and the model still counts every packed byte."""
+    model = load_model(make_checkpoint(tmp_path, family), dtype=torch.float32)
+    order = [w for layer in model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
+                                                     layer.mlp.gate_up_weight, layer.mlp.down_weight)]
+    order.append(model.lm_head_weight)
+    if not native.has_linear:
+        assert not any(isinstance(w, PackedWeight) for w in order)
+        return
+    assert all(isinstance(w, PackedWeight) for w in order)
+    for before, after in zip(order, order[1:], strict=False):
+        assert after.packed.data_ptr() == before.packed.data_ptr() + before.packed.numel() * 4
+    if model.tied:
+        assert model.embed_weight is model.lm_head_weight
+    packed_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "_packed" in name)
+    assert packed_bytes == sum(w.packed.numel() * 4 for w in order)
