@@ -52,6 +52,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from events.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
 from events.trace import TraceRecord  # noqa: E402
+from kernels.dispatch import get_ops  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
@@ -127,8 +128,6 @@ def measure_streamed_matmul(mib: int, in_features: int, rows: int, repeats: int)
     where it runs, BLAS otherwise) over one ``mib`` MiB float32 weight with ``in_features`` columns, at ``rows``
     input rows; best of repeats. At the default 512 MiB the weight is larger than this VM's 260 MB L3, so every
     pass streams it from memory (``--quick``'s 64 MiB only checks the script)."""
-    from kernels.dispatch import get_ops
-
     ops = get_ops("cpu")
     weight = torch.randn(mib * 2**20 // (4 * in_features), in_features) * 0.02
     nbytes = weight.numel() * 4
