@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 
@@ -140,3 +141,13 @@ def test_stop_signal_ends_streams_with_an_error_and_exits_0(small_servers, sig):
     assert server.proc.wait(timeout=5) == 0
     assert time.monotonic() - signalled < 5
     client.close()
+
+
+def test_serving_runs_with_a_short_switch_interval_and_restores_the_interpreters():
+    from ksana.server.serve import ServeOptions, switch_interval
+
+    before = sys.getswitchinterval()
+    assert ServeOptions().switch_interval_s < before  # shorter than CPython's 5 ms default
+    with switch_interval(ServeOptions().switch_interval_s):
+        assert sys.getswitchinterval() == pytest.approx(ServeOptions().switch_interval_s)
+    assert sys.getswitchinterval() == before
