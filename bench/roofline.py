@@ -38,7 +38,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -231,39 +231,33 @@ def _by_type(records: list[TraceRecord], name: str) -> list[TraceRecord]:
 
 
 def step_breakdowns(run: TracedRun) -> list[dict[str, Any]]:
-    """Per step k that has a successor: its period (``ExecuteStep`` k start to k+1 start) cut along the critical
-    path, so the parts add up to the period exactly. ``io_s`` (``TokensOut`` handling in the period) runs beside
-    the worker and is not one of the parts."""
-    executes = _by_type(run.records, "ExecuteStep")
+    """Per step k that has a successor: its period (step k's start on the worker's thread to step k + 1's) cut
+    along the critical path, that thread, so the parts add up to the period exactly: prepare, forward, sample, the
+    rest of the runner's call, and the wait for the next plan. With one step in flight that wait holds the thread
+    hops, the messages and the scheduler; with async scheduling they run beside the next forward pass, as the I/O
+    actor's ``TokensOut`` handling always does: ``scheduler_s`` (its ``StepResult`` handling, the block exchange
+    inside) and ``io_s`` are shown beside the parts."""
     results = _by_type(run.records, "StepResult")
-    allocs = _by_type(run.records, "AllocateStepBlocks")
     tokens_out = _by_type(run.records, "TokensOut")
-    assert len(executes) == len(run.steps) == len(results), "one ExecuteStep and one StepResult per step"
+    assert len(run.steps) == len(results), "one StepResult per step"
     out = []
-    for k in range(len(executes) - 1):
-        ex, res, nxt = executes[k], results[k], executes[k + 1]
-        info = run.steps[k]
-        t = info.timings
-        alloc = next((a for a in allocs if res.started <= a.sent <= nxt.sent), None)
-        exchange_s = alloc.finished - alloc.sent if alloc is not None else 0.0
-        alloc_handling_s = alloc.handling_s if alloc is not None else 0.0
+    for k in range(len(run.steps) - 1):
+        info, res = run.steps[k], results[k]
+        t, nxt = info.timings, run.steps[k + 1].timings
         parts = {
             "prepare_s": t.prepare_s,
             "forward_s": t.forward_s,
             "sample_s": t.sample_s,
-            "worker_dispatch_s": (res.sent - ex.started) - (t.prepare_s + t.forward_s + t.sample_s),
-            "step_result_queue_s": res.queue_s,
-            "scheduler_s": (nxt.sent - res.started) - exchange_s,
-            "cache_manager_s": alloc_handling_s,
-            "cache_exchange_wait_s": exchange_s - alloc_handling_s,
-            "execute_step_queue_s": nxt.queue_s,
+            "worker_other_s": (t.finished_at - t.started_at) - (t.prepare_s + t.forward_s + t.sample_s),
+            "wait_for_plan_s": nxt.started_at - t.finished_at,
         }
-        io_s = sum(r.handling_s for r in tokens_out if ex.started <= r.started < nxt.started)
+        io_s = sum(r.handling_s for r in tokens_out if t.started_at <= r.started < nxt.started_at)
         # This step's tokens leave while the scheduler handles its StepResult (before or after the next plan).
         sent = [r.sent for r in tokens_out if r.sender == "scheduler" and res.started <= r.sent <= res.finished]
         out.append({"step_id": info.step_id, "is_decode": info.is_decode, "seq_lens": info.seq_lens,
-                    "worker_step_s": ex.handling_s, "period_s": nxt.started - ex.started, "parts": parts,
-                    "io_s": io_s, "tokens_out_sent": sent[0] if sent else None})
+                    "worker_step_s": t.finished_at - t.started_at, "period_s": nxt.started_at - t.started_at,
+                    "parts": parts, "scheduler_s": res.handling_s, "io_s": io_s,
+                    "tokens_out_sent": sent[0] if sent else None})
     return out
 
 
@@ -334,6 +328,7 @@ def overhead_split(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "period_s": period,
         "parts": parts,
+        "scheduler_s": statistics.mean(s["scheduler_s"] for s in steps),
         "io_tokens_out_s": io,
         "outside_forward_s": outside,
         "outside_forward_pct": 100 * outside / period,
@@ -347,8 +342,8 @@ def prefill_bench(llm: LLM, recorder: StepRecorder, length: int, repeats: int,
     """One ``length``-token prompt through both engines, alternating run by run (the machine is shared: a
     neighbour then slows both sides alike), after one unmeasured run each; medians.
 
-    Ksana: the prefill step of ``generate`` with ``max_tokens=1`` (the worker's ``ExecuteStep`` handling in the
-    trace; its forward from ``StepTimings``; the whole call beside them). ``transformers``: the forward of the same
+    Ksana: the prefill step of ``generate`` with ``max_tokens=1`` (from the worker taking its ``ExecuteStep`` to
+    sending the ``StepResult``, in the trace; its forward from ``StepTimings``; the whole call beside them). ``transformers``: the forward of the same
     tokens with last-position logits only, what its ``generate`` asks for the first token.
     """
     from transformers import AutoModelForCausalLM
@@ -367,7 +362,8 @@ def prefill_bench(llm: LLM, recorder: StepRecorder, length: int, repeats: int,
             hf_model(input_ids=torch.tensor(prompt), logits_to_keep=1)
             hf_s = time.perf_counter() - started
         if i:  # the first round warms up
-            worker.append(_by_type(run.records, "ExecuteStep")[0].handling_s)
+            # From the worker taking the ExecuteStep to its StepResult: thread hops, prepare, forward, sampling.
+            worker.append(_by_type(run.records, "StepResult")[0].sent - _by_type(run.records, "ExecuteStep")[0].started)
             forward.append(run.steps[0].timings.forward_s)
             calls.append(run.elapsed_s)
             hf_runs.append(hf_s)
@@ -420,6 +416,11 @@ def run_bench(settings: Settings) -> dict[str, Any]:
             for d in decode:
                 add_roofline(d, shape, ceilings)
             report["decode"] = decode
+            # The largest batch at the first context again with one step in flight: async scheduling's share.
+            report["decode_one_in_flight"] = one = one_step_in_flight(
+                llm, decode_bench, llm, recorder, max_batch, settings.contexts[0], settings.decode_tokens,
+                settings.skip_steps, rng)
+            add_roofline(one, shape, ceilings)
         prefill[dtype_name] = prefill_bench(llm, recorder, settings.prefill_len,
                                             settings.prefill_repeats[dtype_name], rng)
         del llm, recorder
@@ -431,7 +432,20 @@ def run_bench(settings: Settings) -> dict[str, Any]:
     report["load_average_after"] = os.getloadavg()[0]
     report["overhead"] = {f"batch{d['batch']}_ctx{d['context']}": d["overhead"]
                           for d in report.get("decode", []) if d["batch"] == max_batch}
+    if "decode_one_in_flight" in report:
+        one = report["decode_one_in_flight"]
+        report["overhead"][f"batch{one['batch']}_ctx{one['context']}_one_in_flight"] = one["overhead"]
     return report
+
+
+def one_step_in_flight(llm: LLM, run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``run(*args)`` with async scheduling off (each generate call builds its scheduler actor from the setting)."""
+    setting = llm.engine.scheduler.setting
+    was, setting.async_scheduling = setting.async_scheduling, False
+    try:
+        return run(*args)
+    finally:
+        setting.async_scheduling = was
 
 
 # ---- tables -------------------------------------------------------------------------------------------------------
@@ -439,12 +453,8 @@ OVERHEAD_ROWS = (
     ("forward_s", "forward (model + lm_head)"),
     ("prepare_s", "worker: build batch tensors"),
     ("sample_s", "worker: sampling"),
-    ("worker_dispatch_s", "worker: thread hop, StepResult"),
-    ("step_result_queue_s", "StepResult queue"),
-    ("scheduler_s", "scheduler handling"),
-    ("cache_manager_s", "cache manager handling"),
-    ("cache_exchange_wait_s", "cache exchange queue + reply"),
-    ("execute_step_queue_s", "ExecuteStep queue"),
+    ("worker_other_s", "worker: rest of the call"),
+    ("wait_for_plan_s", "worker: waiting for the next plan"),
 )
 
 
@@ -493,7 +503,9 @@ def format_report(report: dict[str, Any]) -> str:
         rows = (("period_s", "= step period"), ("outside_forward_s", "outside the forward"))
         for key, label in rows:
             lines.append(f"{label:<34}" + "".join(_cell(o[key], o["period_s"]) for o in report["overhead"].values()))
-        lines.append(f"{'I/O TokensOut (beside next fwd)':<34}"
+        lines.append(f"{'beside: scheduler StepResult':<34}"
+                     + "".join(_cell(o["scheduler_s"], o["period_s"]) for o in report["overhead"].values()))
+        lines.append(f"{'beside: I/O TokensOut':<34}"
                      + "".join(_cell(o["io_tokens_out_s"], o["period_s"]) for o in report["overhead"].values()))
         lines.append(f"{'outside forward + I/O':<34}"
                      + "".join(f"{o['outside_forward_with_io_pct']:>21.1f}%" for o in report["overhead"].values()))

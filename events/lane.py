@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -22,7 +22,8 @@ T = TypeVar("T")
 
 
 class BlockingLane:
-    """Runs ``await lane.run(fn, *args)`` on its own thread, one call at a time, in the order they come.
+    """Runs ``await lane.run(fn, *args)`` (or ``lane.submit``) on its own thread, one call at a time, in the order
+    they come.
 
     The thread starts with the first call and ends with ``close()`` (it is a daemon, so a lane never left open
     keeps the process alive). As ``trio.to_thread.run_sync``, a call cannot be cancelled once it runs: the caller
@@ -42,28 +43,29 @@ class BlockingLane:
         return self._thread
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.submit(fn, *args).result()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> LaneCall[T]:
+        """Queue the call and return at once; ``await call.result()`` for its value. Calls run in submission order,
+        so a caller can queue the next piece of work before the current one ends and the thread never waits for
+        the loop between them. Under an autojumping ``MockClock`` the call runs here, inline."""
+        call: LaneCall[T] = LaneCall()
         if blocking_runs_inline():
-            await trio.lowlevel.checkpoint()
-            return fn(*args)
+            call.run(fn, args)
+            call.done.set()
+            return call
         token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        returned: list[T] = []
-        raised: list[BaseException] = []
 
         def job() -> None:
+            call.run(fn, args)
             try:
-                returned.append(fn(*args))
-            except BaseException as error:  # noqa: BLE001 - re-raised in the caller's task
-                raised.append(error)
-            token.run_sync_soon(done.set)
+                token.run_sync_soon(call.done.set)
+            except trio.RunFinishedError:  # its trio run ended without waiting: nobody is left to tell
+                pass
 
         self._start()
         self._jobs.put(job)
-        with trio.CancelScope(shield=True):
-            await done.wait()
-        if raised:
-            raise raised[0]
-        return returned[0]
+        return call
 
     def close(self) -> None:
         """Let the thread finish the calls queued so far, then end; a later ``run`` starts a new thread."""
@@ -82,3 +84,27 @@ class BlockingLane:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             job()
+
+
+class LaneCall(Generic[T]):
+    """One call queued on a lane: its outcome, set on the lane's thread, read on the loop."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self._returned: list[T] = []
+        self._raised: list[BaseException] = []
+
+    def run(self, fn: Callable[..., T], args: tuple) -> None:
+        try:
+            self._returned.append(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's task
+            self._raised.append(error)
+
+    async def result(self) -> T:
+        """The call's value (or its exception). Shielded, as a thread cannot be cancelled: a cancelled caller still
+        waits for the call to end, so the work never outlives it unobserved."""
+        with trio.CancelScope(shield=True):
+            await self.done.wait()  # a checkpoint even when set, as a thread hand-off is
+        if self._raised:
+            raise self._raised[0]
+        return self._returned[0]

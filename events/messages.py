@@ -166,13 +166,19 @@ class CacheStats:
 
 
 # ---- scheduler <-> worker ---------------------------------------------------------------------------------------
+# A token the scheduler does not know yet: the one the previous step samples for the same request. With async
+# scheduling the next step is planned while that step runs, and the worker fills it in (``StepPlan.has_placeholders``).
+PLACEHOLDER_TOKEN = -1
+
+
 @attrs.frozen
 class ScheduledRow:
     """One request's share of a step: compute ``token_ids`` at positions ``start_position...`` into its blocks.
 
     ``num_new_tokens`` may exceed 1 for a prefill chunk (and, with speculative decoding, for a verify step).
     When ``do_sample`` is set, the row's last position is sampled with the request's parameters; the penalty
-    inputs (``prompt_token_ids``/``output_token_ids``) are only filled when a penalty needs them.
+    inputs (``prompt_token_ids``/``output_token_ids``) are only filled when a penalty needs them. A row planned
+    while the step before it ran has ``PLACEHOLDER_TOKEN`` as its one token (and as the last output token).
     """
 
     request_id: str
@@ -203,6 +209,8 @@ class StepPlan:
     rows: tuple[ScheduledRow, ...]
     remote_loads: tuple[RemoteLoad, ...] = ()  # before the forward pass
     remote_saves: tuple[RemoteBlock, ...] = ()  # after it (the blocks this step fills)
+    # Some rows' token is ``PLACEHOLDER_TOKEN``: the worker takes it from what it sampled in the step before.
+    has_placeholders: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -228,6 +236,10 @@ class StepTimings:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    # When the worker's thread began and ended the step (``time.monotonic``, the wall clock's time base): with two
+    # steps in flight the trace's message times no longer bracket a step, these do.
+    started_at: float = 0.0
+    finished_at: float = 0.0
 
 
 @attrs.frozen

@@ -21,11 +21,14 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-device-blocks", type=int)
     parser.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         dest="enable_auto_prefix_cache", help="setting.batch_scheduler.enable_auto_prefix_cache")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan the next step while one runs (setting.batch_scheduler.async_scheduling, "
+                             "default on)")
 
 
 def config_overrides(args: argparse.Namespace) -> dict:
     keys = ("dtype", "max_batch_size", "max_step_tokens", "block_token_num", "split_fuse_token_num",
-            "num_device_blocks", "enable_auto_prefix_cache")
+            "num_device_blocks", "enable_auto_prefix_cache", "async_scheduling")
     return {key: getattr(args, key) for key in keys}
 
 

@@ -6,6 +6,7 @@ import enum
 
 import attrs
 
+from events.messages import PLACEHOLDER_TOKEN
 from ksana.sampling_params import SamplingParams
 
 
@@ -29,6 +30,9 @@ class InferRequest:
     ``token_ids`` is the prompt followed by the generated tokens; ``num_computed_tokens`` of them have their K/V in
     the cache. A recompute preemption resets ``num_computed_tokens`` to 0 and keeps the generated tokens, so the
     request resumes by prefilling prompt + output (the generated tokens are never sampled twice).
+
+    With async scheduling the last ``num_pending_tokens`` of ``token_ids`` are ``PLACEHOLDER_TOKEN``: sampled by a
+    step still in flight, counted already (positions, output counts, length limits) and filled in by its result.
     """
 
     request_id: str
@@ -45,6 +49,7 @@ class InferRequest:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    num_pending_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -73,13 +78,42 @@ class InferRequest:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known: all but the pending ones."""
+        return len(self.token_ids) - self.num_pending_tokens
 
-    def stop_reason_after(self, token_id: int) -> FinishReason | None:
-        """The finish reason once ``token_id`` has been appended, or None to go on."""
+    def append_pending_token(self) -> int:
+        """Count the token a step in flight samples; returns its index, for ``fill_pending_token``."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.num_pending_tokens += 1
+        return len(self.token_ids) - 1
+
+    def fill_pending_token(self, index: int, token_id: int) -> None:
+        """The step's result: pending tokens are filled oldest first, so ``index`` is the first pending one."""
+        assert index == self.num_known_tokens, f"request {self.request_id}: token {index} filled out of order"
+        self.token_ids[index] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget the tokens of steps still in flight (finished, preempted, aborted): their results are dropped."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
+
+    @property
+    def will_stop_on_length(self) -> bool:
+        """Whether the tokens counted so far already reach a length limit: no further step is needed."""
         params = self.sampling_params
-        num_output = self.num_output_tokens
+        return ((params.max_tokens is not None and self.num_output_tokens >= params.max_tokens)
+                or self.num_tokens >= self.max_token_len)
+
+    def stop_reason_after(self, token_id: int, num_tokens: int | None = None) -> FinishReason | None:
+        """The finish reason once ``token_id`` has been appended, or None to go on. ``num_tokens``: the request's
+        length with that token, when tokens of later steps in flight are counted beyond it."""
+        params = self.sampling_params
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        num_output = num_tokens - self.num_prompt_tokens
         if num_output >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP
@@ -87,7 +121,7 @@ class InferRequest:
                 return FinishReason.STOP
         if params.max_tokens is not None and num_output >= params.max_tokens:
             return FinishReason.LENGTH
-        if self.num_tokens >= self.max_token_len:
+        if num_tokens >= self.max_token_len:
             return FinishReason.LENGTH
         return None
 

@@ -80,8 +80,8 @@ class RoundMetrics:
 
     From the trace: ``schedule_ms`` (the scheduler's handling of ``AddRequests``: queueing, planning, the block
     exchange, sending ``ExecuteStep``), of which ``block_allocation_ms`` is the ``AllocateStepBlocks`` round trip;
-    ``dispatch_ms`` (``ExecuteStep`` waiting in the worker's mailbox); ``worker_ms`` (the worker's handling:
-    thread hop, prepare, forward, sampling); ``result_queue_ms`` and ``update_ms`` (``StepResult`` queueing and
+    ``dispatch_ms`` (``ExecuteStep`` waiting in the worker's mailbox); ``worker_ms`` (from the worker taking the
+    ``ExecuteStep`` to sending its ``StepResult``: thread hops, prepare, forward, sampling); ``result_queue_ms`` and ``update_ms`` (``StepResult`` queueing and
     the scheduler's update); ``output_queue_ms`` (``TokensOut`` queueing); ``step_ms`` from the start of
     scheduling to the end of the update; ``round_ms`` from sending the requests to receiving their tokens.
     From the model runner: ``prepare_ms``, ``forward_ms`` (model forward and lm_head), ``sample_ms``.
@@ -296,7 +296,7 @@ class ModelPerfBackend(Actor):
             schedule_ms=_ms(add.handling_s),
             block_allocation_ms=_ms(alloc.finished - alloc.sent),
             dispatch_ms=_ms(execute.queue_s),
-            worker_ms=_ms(execute.handling_s),
+            worker_ms=_ms(result.sent - execute.started),
             prepare_ms=_ms(timings.prepare_s),
             forward_ms=_ms(timings.forward_s),
             sample_ms=_ms(timings.sample_s),

@@ -17,7 +17,7 @@ import hashlib
 import trio
 
 from events import Actor, handles
-from events.messages import ExecuteStep, SampledToken, StepResult
+from events.messages import PLACEHOLDER_TOKEN, ExecuteStep, SampledToken, StepResult
 
 VOCAB = 997
 EOS = 0
@@ -60,6 +60,8 @@ class OracleWorker(Actor):
         self.num_steps = 0
         self.max_rows = 0
         self.num_chunked_rows = 0
+        self.num_placeholder_rows = 0
+        self.last_sampled: dict[str, int] = {}  # async scheduling: a placeholder is the last step's token
 
     @handles(ExecuteStep)
     async def on_execute(self, msg: ExecuteStep) -> None:
@@ -72,6 +74,10 @@ class OracleWorker(Actor):
             if not row.do_sample and row.num_new_tokens > 1:
                 self.num_chunked_rows += 1
             for i, token in enumerate(row.token_ids):
+                if token == PLACEHOLDER_TOKEN:
+                    assert plan.has_placeholders and row.num_new_tokens == 1, f"{row.request_id}: stray placeholder"
+                    token = self.last_sampled[row.request_id]
+                    self.num_placeholder_rows += 1
                 pos = row.start_position + i
                 self.slots[row.block_ids[pos // bs] * bs + pos % bs] = kv_value(token, pos)
                 if self.sliding_window is not None:
@@ -84,6 +90,7 @@ class OracleWorker(Actor):
                     first = max(0, row.seq_len - self.sliding_window)
                     values += [self._swa_value(row.swa_block_ids[p // bs], p) for p in range(first, row.seq_len)]
                 sampled[row.request_id] = SampledToken(next_token(values), 0.0)
+        self.last_sampled = {rid: token.token_id for rid, token in sampled.items()}
         await trio.sleep(self.step_latency(plan))
         await self.send(StepResult(step_id=plan.step_id, sampled=sampled))
 

@@ -34,12 +34,31 @@ def test_dotted_override_and_every_leaf_has_a_path():
     assert LEAF_PATHS["tensor_para_size"] == "setting.global.tensor_para_size"
 
 
+def test_async_scheduling_is_on_unless_the_yaml_or_the_flag_turns_it_off(tmp_path):
+    import argparse
+
+    from ksana.cli import _add_config_flags, config_overrides
+
+    assert load_config().setting.batch_scheduler.async_scheduling is True
+    path = tmp_path / "ksana.yaml"
+    path.write_text("setting:\n  batch_scheduler: {async_scheduling: false}\n")
+    assert load_config(path).setting.batch_scheduler.async_scheduling is False
+    parser = argparse.ArgumentParser()
+    _add_config_flags(parser)
+    flags = config_overrides(parser.parse_args(["--no-async-scheduling"]))
+    assert load_config(**flags).setting.batch_scheduler.async_scheduling is False
+    unset = config_overrides(parser.parse_args([]))
+    assert load_config(path, **unset).setting.batch_scheduler.async_scheduling is False  # an unset flag keeps the YAML
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "overrides", "message"),
     [
         ("setting:\n  batch_scheduler: {max_batch_sizes: 4}\n", {}, "'setting.batch_scheduler.max_batch_sizes'"),
         ("setting:\n  block_manager: {block_token_num: sixteen}\n", {}, "'setting.block_manager.block_token_num' must be int"),
         ("setting:\n  batch_scheduler: {enable_auto_prefix_cache: 1}\n", {}, "must be bool"),
+        ("setting:\n  batch_scheduler: {async_scheduling: sometimes}\n", {},
+         "'setting.batch_scheduler.async_scheduling' must be bool"),
         ("settings: {}\n", {}, "unknown config key 'settings'"),
         ("setting: [1, 2]\n", {}, "'setting' must be a mapping"),
         ("", {"block_tokens": 4}, "unknown config key 'block_tokens'"),

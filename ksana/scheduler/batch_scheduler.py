@@ -14,6 +14,11 @@ holding no blocks asks to match its prefix and its ``num_computed_tokens`` then 
 step's tokens shrink accordingly); every demand carries the tokens the manager has not seen, so it knows which
 blocks the step fills. A request whose prefix is in the remote store spends one step loading it (the worker does
 the transfer within that step's ``ExecuteStep``) and is matched again, with the load's result, the step after.
+
+A plan takes effect when it is sent (``commit``, vLLM v1's ``update_after_schedule``): the requests' computed
+tokens advance and each sampled row counts a pending token, so the next step can be planned before this one's
+result is back (async scheduling). The result only fills the pending tokens in and applies the stop rules. A plan
+made while a step is in flight never preempts: the scheduler then waits for the step, whose end may free blocks.
 """
 
 from __future__ import annotations
@@ -41,11 +46,15 @@ logger = logging.getLogger(__name__)
 
 @attrs.define
 class ScheduledRequest:
-    """``do_sample``: the row reaches the end of the known tokens, so its last position is sampled."""
+    """``do_sample``: the row reaches the end of the request's tokens, so its last position is sampled.
+    ``sample_index``/``num_preemptions`` (set by ``commit``): where the sampled token goes, and the request's
+    preemption count then, so a result that comes back after a preemption is recognised and dropped."""
 
     request: InferRequest
     num_new_tokens: int
     do_sample: bool = attrs.field(init=False)
+    sample_index: int = attrs.field(init=False, default=-1)
+    num_preemptions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         req = self.request
@@ -139,7 +148,9 @@ class BatchScheduler:
         return bool(self.waiting or self.running)
 
     # ---- planning ---------------------------------------------------------------------------------------------
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, allow_preempt: bool = True) -> SchedulerOutput:
+        """The next step's plan. ``allow_preempt=False`` (a step is in flight): a running request that does not
+        fit ends the plan empty instead, with only its rejections; plan again once the step is back."""
         out = SchedulerOutput()
         self._reject_timed_out(now, out)
         budget = self.setting.max_step_tokens
@@ -149,8 +160,13 @@ class BatchScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and request.will_stop_on_length:
+                i += 1  # its step in flight is its last: nothing to compute for it
+                continue
             num_new = min(request.num_tokens_to_compute, budget, chunk or budget)
             need = self._missing_blocks(request, request.num_computed_tokens + num_new)
+            if need > free and not allow_preempt:
+                return SchedulerOutput(rejected=out.rejected)
             while need > free and self.running[-1] is not request:
                 free += self._preempt(self.running[-1], out)
             if need > free:
@@ -204,11 +220,11 @@ class BatchScheduler:
             if req.num_computed_tokens == 0 and rid not in self.block_ids:
                 demands.append(BlockDemand(rid, s.num_new_tokens, tuple(req.token_ids), match_prefix=True,
                                            num_remote_loaded_blocks=self._remote_loaded.pop(rid, -1)))
-            else:
+            else:  # the tokens the manager has not seen; a pending one goes with a later demand
                 sent = self._num_tokens_sent.get(rid, 0)
                 demands.append(BlockDemand(rid, req.num_computed_tokens + s.num_new_tokens,
-                                           tuple(req.token_ids[sent:])))
-            self._num_tokens_sent[rid] = req.num_tokens
+                                           tuple(req.token_ids[sent:req.num_known_tokens])))
+            self._num_tokens_sent[rid] = req.num_known_tokens
         return tuple(demands)
 
     def apply_blocks(self, out: SchedulerOutput, reply: StepBlocks) -> None:
@@ -252,6 +268,7 @@ class BatchScheduler:
                 self._remote_loaded[rid] = num_loaded
 
     def build_rows(self, out: SchedulerOutput) -> tuple[ScheduledRow, ...]:
+        """The plan's rows, before ``commit``; a request with a pending token computes that one token."""
         rows = []
         for s in out.scheduled:
             req = s.request
@@ -275,21 +292,28 @@ class BatchScheduler:
             ))
         return tuple(rows)
 
+    def commit(self, out: SchedulerOutput) -> None:
+        """The plan is sent: its tokens count as computed, and each sampled row's token as pending."""
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            s.num_preemptions = req.num_preemptions
+            if s.do_sample:
+                s.sample_index = req.append_pending_token()
+
     # ---- results ----------------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> tuple[list[RequestDelta], list[str]]:
-        """Advance every scheduled request by its step; returns the deltas and the ids whose blocks to free."""
+        """Fill in each sampled row's token and apply the stop rules; returns the deltas and the ids whose blocks
+        to free."""
         deltas: list[RequestDelta] = []
         finished: list[str] = []
         for s in out.scheduled:
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
-            if not s.do_sample:
-                continue
+            if not s.do_sample or req.status is not RequestStatus.RUNNING or req.num_preemptions != s.num_preemptions:
+                continue  # nothing sampled, or aborted / preempted while the step ran: its token is dropped
             token = sampled[req.request_id]
-            req.append_token(token.token_id)
-            reason = req.stop_reason_after(token.token_id)
+            req.fill_pending_token(s.sample_index, token.token_id)
+            reason = req.stop_reason_after(token.token_id, s.sample_index + 1)
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req.request_id)
@@ -322,6 +346,8 @@ class BatchScheduler:
         return self._forget_blocks(request)
 
     def _forget_blocks(self, request: InferRequest) -> int:
+        """Drops the request's blocks from the mirror (and its pending tokens: no step's result will fill them)."""
+        request.drop_pending_tokens()
         rid = request.request_id
         if self.enable_prefix_cache:
             self.swa_block_ids.pop(rid, None)

@@ -1,13 +1,21 @@
 """The scheduler actor: turns arrivals and step results into the next step's plan.
 
-One step in flight at a time. A step is planned when the worker is free and there is work: the plan's blocks are
-requested from the cache manager in one exchange (skipped when nothing there would change: no new block, nothing to
-release, no prefix cache), the plan goes to the worker, and the worker's ``StepResult`` triggers the update, the next
-plan, and then the outputs to the I/O actor.
+A step is planned when the worker can take one and there is work: the plan's blocks are requested from the cache
+manager in one exchange (skipped when nothing there would change: no new block, nothing to release, no prefix
+cache), the plan goes to the worker, and the worker's ``StepResult`` triggers the update, the next plan, and then
+the outputs to the I/O actor.
+
+With ``async_scheduling`` (the default) two steps are in flight: step N+1 is planned as soon as step N is sent, with
+N's sampled tokens as placeholders the worker fills in, so the worker goes from one forward pass straight into the
+next and the scheduler, the messages and the I/O run beside it. Every plan is ordered after the steps before it on
+the worker's one thread, which is what makes this safe: blocks freed or reused by a later plan are written by
+the earlier step first. The pipeline falls back to one step in flight where a plan would need a preemption (only a
+step's end frees blocks) and while a step loads remote KV (its result decides the next plan).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 
 from events import Actor, handles
@@ -33,7 +41,8 @@ class SchedulerActor(Actor):
 
     def __init__(self, scheduler: BatchScheduler) -> None:
         self.scheduler = scheduler
-        self._in_flight: SchedulerOutput | None = None
+        self.max_steps_in_flight = 2 if scheduler.setting.async_scheduling else 1
+        self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
         self._next_step_id = 0
         self._pending_release: list[str] = []
 
@@ -67,6 +76,7 @@ class SchedulerActor(Actor):
 
     @handles(AbortRequest)
     async def on_abort(self, msg: AbortRequest) -> None:
+        """The blocks are freed at once: a later plan that reuses them runs after the steps in flight."""
         request = self.scheduler.abort_request(msg.request_id)
         if request is None:
             return
@@ -81,8 +91,8 @@ class SchedulerActor(Actor):
         """Update, start the next step, then send this step's tokens: the I/O side's work (detokenization, client
         writes) then runs beside the next forward pass instead of before it. The finished requests' blocks are
         freed by the next step's block exchange (its ``release``), ahead of its demands."""
-        out, self._in_flight = self._in_flight, None
-        assert out is not None and msg.step_id == self._next_step_id - 1, "step result out of order"
+        assert self._in_flight and msg.step_id == self._next_step_id - len(self._in_flight), "step result out of order"
+        out = self._in_flight.popleft()
         deltas, finished = self.scheduler.update(out, msg.sampled)
         if msg.remote_loaded:
             self.scheduler.note_remote_loaded(msg.remote_loaded)
@@ -92,9 +102,15 @@ class SchedulerActor(Actor):
         if tokens_out is not None:
             await self.send(tokens_out)
 
+    def _can_plan(self) -> bool:
+        in_flight = self._in_flight
+        if len(in_flight) >= self.max_steps_in_flight or not self.scheduler.has_unfinished:
+            return False
+        return not any(out.remote_loads for out in in_flight)  # the load's result decides the request's next plan
+
     async def _maybe_start_step(self) -> None:
-        while self._in_flight is None and self.scheduler.has_unfinished:
-            out = self.scheduler.schedule(self._now())
+        while self._can_plan():
+            out = self.scheduler.schedule(self._now(), allow_preempt=not self._in_flight)
             if out.rejected:
                 await self.send(self._tokens_out(tuple(out.rejected)))
             release = tuple(self._pending_release) + tuple(r.request_id for r in out.preempted)
@@ -111,12 +127,15 @@ class SchedulerActor(Actor):
                 self._pending_release.extend(r.request_id for r in out.preempted[num_preempted:])
                 if not out.scheduled and not out.remote_loads:
                     continue
+            has_placeholders = any(s.request.num_pending_tokens for s in out.scheduled)
             plan = StepPlan(step_id=self._next_step_id, rows=self.scheduler.build_rows(out),
-                            remote_loads=out.remote_loads, remote_saves=out.remote_saves)
+                            remote_loads=out.remote_loads, remote_saves=out.remote_saves,
+                            has_placeholders=has_placeholders)
+            self.scheduler.commit(out)
             self._next_step_id += 1
-            self._in_flight = out
+            self._in_flight.append(out)
             await self.send(ExecuteStep(plan))
-        if self._in_flight is None and self._pending_release:  # no step to carry them: free them now
+        if self._pending_release:  # no plan to carry them: free them now (a step in flight is ordered before reuse)
             release = tuple(self._pending_release)
             self._pending_release.clear()
             await self.send(FreeRequestBlocks(release))

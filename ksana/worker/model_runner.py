@@ -14,7 +14,15 @@ import attrs
 import numpy as np
 import torch
 
-from events.messages import RemoteBlock, RemoteLoad, SampledToken, ScheduledRow, StepPlan, StepTimings
+from events.messages import (
+    PLACEHOLDER_TOKEN,
+    RemoteBlock,
+    RemoteLoad,
+    SampledToken,
+    ScheduledRow,
+    StepPlan,
+    StepTimings,
+)
 from kernels.dispatch import get_ops
 from ksana.cache.remote_loading import RemoteKVStore
 from ksana.worker.attention_metadata import AttentionMetadata
@@ -30,12 +38,18 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.sampler = Sampler(get_ops(self.device).greedy_logprobs)
         self.remote_store: RemoteKVStore | None = None
+        # The token sampled for each row of the last step: a plan made while that step ran names them with
+        # ``PLACEHOLDER_TOKEN``. Tensor-parallel ranks that do not sample are handed rank 0's.
+        self.last_sampled: dict[str, int] = {}
 
     def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
-        sampled, timings = self._execute_rows(plan) if plan.rows else ({}, StepTimings())
+        started = time.monotonic()
+        previous, self.last_sampled = self.last_sampled, {}
+        sampled, timings = self._execute_rows(plan, previous) if plan.rows else ({}, StepTimings())
         if plan.remote_saves:
             self.save_remote_blocks(plan.remote_saves)
-        return sampled, timings
+        self.last_sampled = {rid: token.token_id for rid, token in sampled.items()}
+        return sampled, attrs.evolve(timings, started_at=started, finished_at=time.monotonic())
 
     def load_remote_blocks(self, loads: tuple[RemoteLoad, ...]) -> dict[str, int]:
         """Copy each load's blocks from the store, in order; a load stops at its first missing or unreadable
@@ -57,13 +71,13 @@ class ModelRunner:
         for block in blocks:
             self.remote_store.save(block.block_hash, self.kv_cache.block_tensors(block.fa_block_id, block.swa_block_id))
 
-    def _execute_rows(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
+    def _execute_rows(self, plan: StepPlan, previous: dict[str, int]) -> tuple[dict[str, SampledToken], StepTimings]:
         t0 = time.perf_counter()
         rows = plan.rows
         if any(row.num_new_tokens != 1 for row in rows):
             # Decode rows first: attention batches them in one pass (stable, so decodes keep the plan's order).
             rows = sorted(rows, key=lambda row: row.num_new_tokens != 1)
-        input_ids, positions, meta = self.prepare_inputs(rows)
+        input_ids, positions, meta = self.prepare_inputs(rows, previous if plan.has_placeholders else None)
         sample_rows = [i for i, row in enumerate(rows) if row.do_sample]
         # Each sampled row's last token; an all-decode step samples every row, so the hidden states as they are.
         last_index = None
@@ -77,12 +91,14 @@ class ModelRunner:
                 return {}, StepTimings(prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
             logits = self.model.compute_logits(hidden if last_index is None else hidden[last_index])
             t2 = time.perf_counter()
-            sampled = self.sample(logits, rows if last_index is None else [rows[i] for i in sample_rows])
+            sampled = self.sample(logits, rows if last_index is None else [rows[i] for i in sample_rows], previous)
         t3 = time.perf_counter()
         return sampled, StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
 
-    def prepare_inputs(self, rows: Sequence[ScheduledRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(self, rows: Sequence[ScheduledRow], previous: dict[str, int] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's flat token ids, positions and attention metadata, from the rows (decode rows first).
+        ``previous``: the last step's sampled tokens, for the rows planned before it ended (placeholders).
 
         Built in numpy and wrapped with ``torch.from_numpy``: a step's vectors are small, and a numpy call costs
         about a microsecond where a torch op costs several, which at batch 16 is most of the preparation.
@@ -95,23 +111,27 @@ class ModelRunner:
         block_tables = _padded_table([row.block_ids for row in rows], num_rows)
         query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
+        num_decodes = 0
+        while num_decodes < num_rows and query_lens[num_decodes] == 1:
+            num_decodes += 1
 
         if num_tokens == num_rows:  # all decodes: one token per row, at its last position
             input_ids = np.fromiter((row.token_ids[0] for row in rows), dtype=np.int64, count=num_rows)
+            if previous is not None:
+                _fill_placeholders(input_ids, rows, previous)
             positions = np.array(seq_lens, dtype=np.int64) - 1
             row_index = np.arange(num_rows)
         else:
             input_ids = np.fromiter(itertools.chain.from_iterable(row.token_ids for row in rows), dtype=np.int64,
                                     count=num_tokens)
+            if previous is not None:  # a placeholder is a decode row's one token; decode rows come first
+                _fill_placeholders(input_ids[:num_decodes], rows[:num_decodes], previous)
             # Position of every token: its row's first new position plus its offset inside the row.
             row_index = np.repeat(np.arange(num_rows), query_lens)
             starts = np.array([row.start_position for row in rows], dtype=np.int64)
             positions = np.arange(num_tokens, dtype=np.int64) + (starts - query_start_loc[:-1])[row_index]
         slot_mapping = block_tables[row_index, positions // block_size] * block_size + positions % block_size
 
-        num_decodes = 0
-        while num_decodes < num_rows and query_lens[num_decodes] == 1:
-            num_decodes += 1
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -139,14 +159,15 @@ class ModelRunner:
         return attrs.evolve(meta, slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
                             block_tables=torch.from_numpy(block_tables).to(self.device), swa=None)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> dict[str, SampledToken]:
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
+               previous: dict[str, int] | None = None) -> dict[str, SampledToken]:
         sampling_rows = [
             SamplingRow(
                 params=row.sampling_params,
                 seed=row.seed,
                 num_output_tokens=row.num_output_tokens,
                 prompt_token_ids=row.prompt_token_ids,
-                output_token_ids=row.output_token_ids,
+                output_token_ids=_filled_outputs(row, previous),
                 banned_token_ids=row.banned_token_ids,
             )
             for row in rows
@@ -156,6 +177,23 @@ class ModelRunner:
             row.request_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
             for i, row in enumerate(rows)
         }
+
+
+def _fill_placeholders(input_ids: np.ndarray, rows: Sequence[ScheduledRow], previous: dict[str, int]) -> None:
+    """Single-token rows only (``input_ids[i]`` is row i's token)."""
+    for i in np.flatnonzero(input_ids == PLACEHOLDER_TOKEN):
+        rid = rows[i].request_id
+        if rid not in previous:
+            raise RuntimeError(f"request {rid}: its token is a placeholder, but the previous step did not sample it")
+        input_ids[i] = previous[rid]
+
+
+def _filled_outputs(row: ScheduledRow, previous: dict[str, int] | None) -> Sequence[int]:
+    """The penalty inputs' output tokens, their pending last one filled in."""
+    outputs = row.output_token_ids
+    if outputs and outputs[-1] == PLACEHOLDER_TOKEN and previous is not None:
+        return [*outputs[:-1], previous[row.request_id]]
+    return outputs
 
 
 def _padded_table(tables: Sequence[Sequence[int]], num_rows: int) -> np.ndarray:

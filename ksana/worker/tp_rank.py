@@ -80,7 +80,7 @@ def run_rank(group: TPGroup) -> None:
     from ksana.worker.model_runner import ModelRunner
 
     class _RankRunner(ModelRunner):
-        def sample(self, logits, rows):  # rank 0 samples; the others only take part in the collectives
+        def sample(self, logits, rows, previous=None):  # rank 0 samples; the others only take part in the collectives
             return {}
 
     rank = group.rank
@@ -96,7 +96,7 @@ def run_rank(group: TPGroup) -> None:
         runner = _RankRunner(model, kv_cache, group.device)
         fail_at, num_steps = _fail_step(rank), 0
         while (message := group.broadcast_object()) is not None:
-            plan, layer_forward_round = message
+            plan, layer_forward_round, runner.last_sampled = message
             num_steps += 1
             if num_steps == fail_at:
                 raise RuntimeError(f"injected failure at step {num_steps} ({FAIL_ENV})")

@@ -172,7 +172,9 @@ class TPModelRunner:
         if self.failure is not None:
             raise self.failure
         try:
-            self.group.broadcast_object((plan, self.model.layer_forward_round))
+            # Only rank 0 samples: the other ranks get its last tokens, for the plan's placeholders.
+            previous = self.local.last_sampled if plan.has_placeholders else {}
+            self.group.broadcast_object((plan, self.model.layer_forward_round, previous))
             return self.local.execute(plan)
         except BaseException as exc:
             self._fail(exc)

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import trio
+
 from events import Actor, BlockingLane, handles
-from events.messages import ExecuteStep, StepResult
+from events.lane import LaneCall
+from events.messages import ExecuteStep, SampledToken, StepPlan, StepResult, StepTimings
 from ksana.worker.model_runner import ModelRunner
+
+StepOutcome = tuple[dict[str, SampledToken], StepTimings, dict[str, int]]
 
 
 class WorkerActor(Actor):
     """``lane``: the thread the forward passes run on. The engine passes its own, which outlives each loop, so
-    every forward of its life runs on one thread; without one the actor opens a lane and closes it on stop."""
+    every forward of its life runs on one thread; without one the actor opens a lane and closes it on stop.
+
+    A step goes onto the lane the moment its ``ExecuteStep`` arrives, even while the step before it runs: with async
+    scheduling the lane then starts the next forward pass as soon as one ends. A background task sends the
+    results back in step order.
+    """
 
     name = "worker"
 
@@ -17,15 +27,37 @@ class WorkerActor(Actor):
         self.runner = runner
         self._owns_lane = lane is None
         self.lane = lane if lane is not None else BlockingLane("ksana-worker")
+        self._steps_tx: trio.MemorySendChannel[tuple[int, LaneCall[StepOutcome]]] | None = None
+
+    async def on_start(self) -> None:
+        self._steps_tx, steps_rx = trio.open_memory_channel[tuple[int, LaneCall[StepOutcome]]](float("inf"))
+        self.start_soon(self._send_results, steps_rx)
 
     @handles(ExecuteStep)
     async def on_execute(self, msg: ExecuteStep) -> None:
-        loaded = {}
-        if msg.plan.remote_loads:  # before the forward pass: the loaded blocks are reserved, nobody else writes
-            loaded = await self.lane.run(self.runner.load_remote_blocks, msg.plan.remote_loads)
-        sampled, timings = await self.lane.run(self.runner.execute, msg.plan)
-        await self.send(StepResult(step_id=msg.plan.step_id, sampled=sampled, timings=timings,
-                                   remote_loaded=loaded))
+        self._steps_tx.send_nowait((msg.plan.step_id, self.lane.submit(self._run_step, msg.plan)))
+
+    def _run_step(self, plan: StepPlan) -> StepOutcome:
+        """On the lane: remote loads before the forward pass (the loaded blocks are reserved, nobody else writes)."""
+        loaded = self.runner.load_remote_blocks(plan.remote_loads) if plan.remote_loads else {}
+        sampled, timings = self.runner.execute(plan)
+        return sampled, timings, loaded
+
+    async def _send_results(self, steps_rx: trio.MemoryReceiveChannel[tuple[int, LaneCall[StepOutcome]]]) -> None:
+        try:
+            async for step_id, call in steps_rx:
+                sampled, timings, loaded = await call.result()
+                await self.send(StepResult(step_id=step_id, sampled=sampled, timings=timings, remote_loaded=loaded))
+        finally:
+            # The loop is stopping: a step may still be queued on the lane (async scheduling plans one past a stop
+            # token). Wait for it, so that no forward pass outlives the run that started it; its result is dropped.
+            with trio.CancelScope(shield=True):
+                while True:
+                    try:
+                        _, call = steps_rx.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    await call.done.wait()
 
     async def on_stop(self) -> None:
         if self._owns_lane:

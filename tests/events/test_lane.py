@@ -133,3 +133,28 @@ def test_under_an_autojumping_mock_clock_calls_run_inline():
     clock = trio.testing.MockClock(autojump_threshold=0)
     assert trio.run(main, clock=clock) is threading.main_thread()
     assert lane.thread is None
+
+
+def test_submitted_calls_run_in_order_and_one_left_behind_by_its_run_does_not_stop_the_lane():
+    lane = BlockingLane("test-lane")
+    gate, order = threading.Event(), []
+
+    def blocked():
+        gate.wait(30)
+        order.append("left behind")
+
+    async def submit_and_leave():
+        first = lane.submit(order.append, "first")
+        lane.submit(blocked)  # never awaited: its trio run ends while it waits on the gate
+        assert await first.result() is None
+
+    async def later_run():
+        return await lane.run(len, "still serving")
+
+    try:
+        trio.run(submit_and_leave)
+        gate.set()
+        assert trio.run(later_run) == len("still serving")
+        assert order == ["first", "left behind"]
+    finally:
+        lane.close()

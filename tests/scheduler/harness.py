@@ -95,9 +95,11 @@ def random_arrivals_with_shared_prefixes(rng: random.Random, num: int, num_prefi
 
 def run_workload(arrivals: list[Arrival], setting: BatchSchedulerSetting, num_blocks: int, block_size: int,
                  max_token_len: int = 4096, step_latency=lambda plan: 0.005 + 0.0005 * plan.num_tokens,
-                 sliding_window: int | None = None, num_swa_blocks: int = 0) -> RunResult:
+                 sliding_window: int | None = None, num_swa_blocks: int = 0,
+                 stop_token_ids: tuple[int, ...] = ()) -> RunResult:
     """``setting.enable_auto_prefix_cache`` picks the prefix cache manager; ``sliding_window`` adds an SWA pool
-    of ``num_swa_blocks`` (default: as many as the FA pool) and a sliding layer to the oracle."""
+    of ``num_swa_blocks`` (default: as many as the FA pool) and a sliding layer to the oracle; ``stop_token_ids``
+    ends a request at the first of them it samples."""
     scheduler = BatchScheduler(setting, block_size, num_blocks, max_token_len)
     num_swa_blocks = (num_swa_blocks or num_blocks) if sliding_window else 0
     manager = make_cache_manager(num_blocks, block_size, setting.enable_auto_prefix_cache, sliding_window,
@@ -115,7 +117,8 @@ def run_workload(arrivals: list[Arrival], setting: BatchSchedulerSetting, num_bl
             await trio.sleep_until(arrival.time)
             request = InferRequest(
                 request_id=arrival.request_id, prompt_token_ids=arrival.prompt,
-                sampling_params=SamplingParams(temperature=0.0, max_tokens=arrival.max_tokens),
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=arrival.max_tokens,
+                                               stop_token_ids=list(stop_token_ids)),
                 seed=0, arrival_time=arrival.time, eos_token_ids=(EOS,),
             )
             await loop.send(AddRequest(request), sender="test")

@@ -32,6 +32,7 @@ def _grant_all(scheduler: BatchScheduler, out) -> None:
 def _step(scheduler: BatchScheduler, now: float = 0.0):
     out = scheduler.schedule(now)
     _grant_all(scheduler, out)
+    scheduler.commit(out)
     sampled = {s.request.request_id: SampledToken(99, 0.0) for s in out.scheduled if s.do_sample}
     scheduler.update(out, sampled)
     return out

@@ -12,11 +12,14 @@ from tests.kv_hash_oracle import expected_tokens
 from tests.scheduler.harness import Arrival, random_arrivals, run_workload
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_arrivals_with_chunking_and_preemption_match_oracle(seed):
+def test_random_arrivals_with_chunking_and_preemption_match_oracle(seed, async_scheduling):
     arrivals = random_arrivals(random.Random(seed), num=40)
-    setting = BatchSchedulerSetting(max_batch_size=6, max_step_tokens=32, split_fuse_token_num=8)
+    setting = BatchSchedulerSetting(max_batch_size=6, max_step_tokens=32, split_fuse_token_num=8,
+                                    async_scheduling=async_scheduling)
     run = run_workload(arrivals, setting, num_blocks=40, block_size=4)
+    assert (run.worker.num_placeholder_rows > 0) == async_scheduling
 
     for arrival in arrivals:
         result = run.results[arrival.request_id]
@@ -39,9 +42,11 @@ def test_without_chunking_prompts_run_whole_and_match_oracle():
     assert run.stats_after.num_free_blocks == run.stats_after.num_total_blocks
 
 
-def test_aborts_free_every_block_and_the_rest_still_match():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_aborts_free_every_block_and_the_rest_still_match(async_scheduling):
     arrivals = random_arrivals(random.Random(3), num=40, abort_fraction=0.4)
-    setting = BatchSchedulerSetting(max_batch_size=5, max_step_tokens=24, split_fuse_token_num=6)
+    setting = BatchSchedulerSetting(max_batch_size=5, max_step_tokens=24, split_fuse_token_num=6,
+                                    async_scheduling=async_scheduling)
     run = run_workload(arrivals, setting, num_blocks=36, block_size=4)
     num_aborted = 0
     for arrival in arrivals:
@@ -53,6 +58,29 @@ def test_aborts_free_every_block_and_the_rest_still_match():
         else:
             assert result.tokens == expected
     assert num_aborted > 0
+    assert run.stats_after.num_free_blocks == run.stats_after.num_total_blocks
+    assert run.stats_after.num_requests_with_blocks == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_tokens_end_requests_whose_next_step_is_already_in_flight(async_scheduling):
+    """With async scheduling a request that samples a stop token already has its next step in flight: that step's
+    token is dropped, nothing more is sent for the request, and its blocks come back."""
+    stop = tuple(range(1, 60))  # about one token in seventeen
+    arrivals = random_arrivals(random.Random(4), num=40, max_new=40)
+    setting = BatchSchedulerSetting(max_batch_size=6, max_step_tokens=32, split_fuse_token_num=8,
+                                    async_scheduling=async_scheduling)
+    run = run_workload(arrivals, setting, num_blocks=40, block_size=4, stop_token_ids=stop)
+    num_stopped = 0
+    for arrival in arrivals:
+        result = run.results[arrival.request_id]
+        expected = expected_tokens(arrival.prompt, arrival.max_tokens)
+        end = next((i + 1 for i, t in enumerate(expected) if t in stop), len(expected))
+        assert result.tokens == expected[:end], arrival.request_id
+        assert result.finish_reason == ("stop" if expected[end - 1] in stop else "length"), arrival.request_id
+        num_stopped += result.finish_reason == "stop"
+    assert num_stopped >= 10
+    assert run.scheduler.stats.num_preemptions > 0
     assert run.stats_after.num_free_blocks == run.stats_after.num_total_blocks
     assert run.stats_after.num_requests_with_blocks == 0
 

@@ -26,20 +26,23 @@ def _check(run, arrivals, window=None):
     run.manager.check_invariants()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_shared_prefixes_hit_and_match_oracle(seed):
+def test_shared_prefixes_hit_and_match_oracle(seed, async_scheduling):
     arrivals = random_arrivals_with_shared_prefixes(random.Random(seed), num=40)
     setting = BatchSchedulerSetting(max_batch_size=6, max_step_tokens=32, split_fuse_token_num=8,
-                                    enable_auto_prefix_cache=True)
+                                    enable_auto_prefix_cache=True, async_scheduling=async_scheduling)
     run = run_workload(arrivals, setting, num_blocks=40, block_size=4)
     _check(run, arrivals)
     assert run.stats_after.prefix_cache_hit_token_num > 0
     assert run.stats_after.full_prompt_matched_req_num > 0
 
 
-def test_prefix_cache_under_preemption_without_chunking():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_cache_under_preemption_without_chunking(async_scheduling):
     arrivals = random_arrivals_with_shared_prefixes(random.Random(5), num=30, max_prefix=30, max_new=40)
-    setting = BatchSchedulerSetting(max_batch_size=8, max_step_tokens=64, enable_auto_prefix_cache=True)
+    setting = BatchSchedulerSetting(max_batch_size=8, max_step_tokens=64, enable_auto_prefix_cache=True,
+                                    async_scheduling=async_scheduling)
     run = run_workload(arrivals, setting, num_blocks=16, block_size=4)
     _check(run, arrivals)
     assert run.scheduler.stats.num_preemptions > 0
@@ -54,12 +57,13 @@ def test_prefix_cache_on_random_prompts_with_aborts_matches_oracle():
     _check(run, arrivals)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize(("window", "num_swa_blocks"), [(6, 0), (9, 14)])
-def test_sliding_window_prefix_cache_matches_oracle(window, num_swa_blocks):
+def test_sliding_window_prefix_cache_matches_oracle(window, num_swa_blocks, async_scheduling):
     # num_swa_blocks=14 < the FA pool: cached SWA blocks get evicted, so hits must respect the window condition.
     arrivals = random_arrivals_with_shared_prefixes(random.Random(11), num=40, max_prefix=36)
     setting = BatchSchedulerSetting(max_batch_size=4, max_step_tokens=32, split_fuse_token_num=8,
-                                    enable_auto_prefix_cache=True)
+                                    enable_auto_prefix_cache=True, async_scheduling=async_scheduling)
     run = run_workload(arrivals, setting, num_blocks=48, block_size=4, sliding_window=window,
                        num_swa_blocks=num_swa_blocks)
     _check(run, arrivals, window)

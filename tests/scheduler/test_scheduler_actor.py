@@ -59,8 +59,8 @@ class OrderCheckingIO(Actor):
             self.all_done.set()
 
 
-def test_next_step_before_tokens_and_finished_blocks_released_by_the_next_exchange():
-    scheduler = BatchScheduler(BatchSchedulerSetting(), BLOCK, NUM_BLOCKS, 4096)
+def _run_three_requests(async_scheduling: bool):
+    scheduler = BatchScheduler(BatchSchedulerSetting(async_scheduling=async_scheduling), BLOCK, NUM_BLOCKS, 4096)
     manager = RecordingCacheManager()
     worker = OracleWorker(NUM_BLOCKS, BLOCK)
     io = OrderCheckingIO(worker, 3)
@@ -80,7 +80,11 @@ def test_next_step_before_tokens_and_finished_blocks_released_by_the_next_exchan
             out["stats"] = await loop.request(GetCacheStats(), sender="test")
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return io, manager, worker, out["stats"]
 
+
+def test_next_step_before_tokens_and_finished_blocks_released_by_the_next_exchange():
+    io, manager, worker, stats = _run_three_requests(async_scheduling=False)
     # Step k's tokens left after step k + 1 was sent: the worker had k + 1 steps when they arrived.
     assert io.steps_sent_before_tokens == [(k, k + 1) for k in range(1, 5)]
     # Blocks of 4 tokens; prompts of 3, 5 and 5 tokens. Step 1 allocates every prompt's blocks. Step 2 fits in
@@ -89,4 +93,22 @@ def test_next_step_before_tokens_and_finished_blocks_released_by_the_next_exchan
     # with no step to carry it, so it goes alone.
     assert manager.log == [("allocate", ()), ("allocate", ("r2",)), ("allocate", ("r4",)), ("free", ("r5",))]
     assert worker.num_steps == 5
-    assert out["stats"].num_free_blocks == NUM_BLOCKS and out["stats"].num_requests_with_blocks == 0
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests_with_blocks == 0
+
+
+def test_async_scheduling_keeps_two_steps_in_flight_and_plans_no_step_past_a_known_end():
+    io, manager, worker, stats = _run_three_requests(async_scheduling=True)
+    # Step k + 1 is planned when step k is sent, so step k's tokens leave after step k + 2 was: the worker had
+    # k + 2 steps, except at the end, where the last step (5) was planned with step 4's result.
+    assert io.steps_sent_before_tokens == [(1, 3), (2, 4), (3, 5), (4, 5)]
+    # The oracle filled every step's continuing rows from its previous step: 2 + 3 + 2 + 1 rows after step 1.
+    assert worker.num_placeholder_rows == 3 + 2 + 2 + 1
+    # The same five steps as one step in flight: a request whose pending token reaches max_tokens is not planned
+    # again (r2 ends at step 2, r4 at 4, r5 at 5). Prompts of 3, 5 and 5 tokens in blocks of 4: step 1 allocates
+    # the prompts' blocks; steps 2 and 3 fit in them; step 4, planned at step 2's result, carries r2's release;
+    # step 5 (r5 at position 8) needs a block. At step 4's result nothing is left to plan (r5's last step is in
+    # flight), so r4 is freed alone, and r5 at the end.
+    assert manager.log == [("allocate", ()), ("allocate", ("r2",)), ("allocate", ()), ("free", ("r4",)),
+                           ("free", ("r5",))]
+    assert worker.num_steps == 5
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests_with_blocks == 0

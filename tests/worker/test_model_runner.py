@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 import torch
 
-from events.messages import ScheduledRow
+from events.messages import PLACEHOLDER_TOKEN, ScheduledRow
 from ksana.worker.model_runner import ModelRunner
 
 BLOCK = 4
@@ -75,3 +76,21 @@ def test_swa_view_uses_swa_blocks_with_outside_window_as_block_zero():
     assert meta.swa.slot_mapping.tolist() == slots
     assert meta.swa.block_tables.tolist() == [[0, 4, 6], [9, 0, 0]]
     assert meta.swa.seq_lens_list == meta.seq_lens_list and meta.swa.num_decodes == 1
+
+
+def test_placeholders_take_the_previous_steps_tokens_in_decode_and_mixed_steps():
+    previous = {"a": 501, "b": 502}
+    decodes = [row("a", [PLACEHOLDER_TOKEN], 9, [7, 3, 5]), row("x", [40], 3, [1]),
+               row("b", [PLACEHOLDER_TOKEN], 0, [2])]
+    input_ids, _, _ = runner().prepare_inputs(decodes, previous)
+    assert input_ids.tolist() == [501, 40, 502]
+    mixed = [*decodes, row("c", [13, 14, 15], 0, [8])]
+    input_ids, positions, meta = runner().prepare_inputs(mixed, previous)
+    assert input_ids.tolist() == [501, 40, 502, 13, 14, 15] and positions.tolist() == [9, 3, 0, 0, 1, 2]
+    assert meta.num_decodes == 3
+
+
+def test_a_placeholder_the_previous_step_did_not_sample_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="request b: its token is a placeholder"):
+        runner().prepare_inputs([row("a", [PLACEHOLDER_TOKEN], 9, [7, 3, 5]), row("b", [PLACEHOLDER_TOKEN], 0, [2])],
+                                {"a": 501})
