@@ -343,8 +343,9 @@ def prefill_bench(llm: LLM, recorder: StepRecorder, length: int, repeats: int,
     neighbour then slows both sides alike), after one unmeasured run each; medians.
 
     Ksana: the prefill step of ``generate`` with ``max_tokens=1`` (from the worker taking its ``ExecuteStep`` to
-    sending the ``StepResult``, in the trace; its forward from ``StepTimings``; the whole call beside them). ``transformers``: the forward of the same
-    tokens with last-position logits only, what its ``generate`` asks for the first token.
+    sending the ``StepResult``, in the trace; its forward from ``StepTimings``; the whole call beside them).
+    ``transformers``: the forward of the same tokens with last-position logits only, what its ``generate`` asks for
+    the first token.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
