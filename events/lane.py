@@ -26,8 +26,9 @@ class BlockingLane:
     they come.
 
     The thread starts with the first call and ends with ``close()`` (it is a daemon, so a lane never left open
-    keeps the process alive). As ``trio.to_thread.run_sync``, a call cannot be cancelled once it runs: the caller
-    waits for it, so the work never outlives the caller unobserved. Under an autojumping ``MockClock`` the call runs
+    keeps the process alive). As ``trio.to_thread.run_sync``, a call cannot be cancelled once it runs: ``run``'s
+    caller waits for it, so the work never outlives the caller unobserved; ``submit``'s caller owns that wait (the
+    worker actor drains its queued steps when the loop stops). Under an autojumping ``MockClock`` the call runs
     inline, as ``events.run_blocking`` does, so that virtual time does not jump while the thread works.
     """
 

@@ -90,7 +90,8 @@ class SchedulerActor(Actor):
     async def on_step_result(self, msg: StepResult) -> None:
         """Update, start the next step, then send this step's tokens: the I/O side's work (detokenization, client
         writes) then runs beside the next forward pass instead of before it. The finished requests' blocks are
-        freed by the next step's block exchange (its ``release``), ahead of its demands."""
+        freed by the next step's block exchange (its ``release``), ahead of its demands, or at once when no plan
+        follows."""
         assert self._in_flight and msg.step_id == self._next_step_id - len(self._in_flight), "step result out of order"
         out = self._in_flight.popleft()
         deltas, finished = self.scheduler.update(out, msg.sampled)
