@@ -49,7 +49,29 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
  * but a scheduler time slice when another thread holds a core (the engine's event loop, a neighbour), so decode-
  * sized elementwise ops stay on the calling thread, as torch's own grain size (32768) keeps them. */
 #define PARALLEL_MIN_ELEMS 65536
-#define PARALLEL_MIN_ATTENTION_WORK (1 << 20) /* context positions x query heads x head_dim */
+#define PARALLEL_MIN_ATTENTION_WORK (1 << 18) /* context positions x query heads x head_dim */
+#define DECODE_SPLIT_TASKS 8 /* tasks per thread that paged_decode splits few long sequences into */
+#define DECODE_SPLIT_MIN 128 /* positions per split task at least */
+
+/* The end of a decode task: each query head's output, acc / sum, or with `part` (a split task's share of the
+ * positions, see paged_decode) the unnormalised parts for the combine: part = [max[group] | sum[group] |
+ * acc[group][dim]]. */
+#define DEFINE_DECODE_FINISH(SUF, T)                                                                             \
+    static inline void decode_finish_##SUF(const float *acc, const float *maxs, const float *sums, int64_t group, \
+                                           int64_t dim, T *out, float *part) {                                   \
+        if (part) {                                                                                              \
+            memcpy(part, maxs, sizeof(float) * group);                                                           \
+            memcpy(part + group, sums, sizeof(float) * group);                                                   \
+            memcpy(part + 2 * group, acc, sizeof(float) * group * dim);                                          \
+            return;                                                                                              \
+        }                                                                                                        \
+        for (int64_t g = 0; g < group; g++) {                                                                    \
+            float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;                                                    \
+            for (int64_t d = 0; d < dim; d++) store_##SUF(out + g * dim + d, acc[g * dim + d] * inv);            \
+        }                                                                                                        \
+    }
+DEFINE_DECODE_FINISH(f32, float)
+DEFINE_DECODE_FINISH(bf16, bf16_t)
 
 #ifdef KSANA_AVX2
 /* Sum each of eight vectors: [sum(a0), ..., sum(a7)]. */
@@ -112,7 +134,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
 #define DEFINE_DECODE_AVX2(SUF, T)                                                                              \
     static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache, const int64_t *kv_rows, \
                                        int64_t n, int64_t group, int64_t head_group, int64_t dim, float scale,  \
-                                       float *scores, float *acc, T *out) {                                      \
+                                       float *scores, float *acc, T *out, float *part) {                         \
         float maxs[group], sums[group];                                                                          \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;                                                 \
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
@@ -222,10 +244,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
-        for (int64_t g = 0; g < group; g++) {                                                                    \
-            float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;                                                    \
-            for (int64_t d = 0; d < dim; d++) store_##SUF(out + g * dim + d, acc[g * dim + d] * inv);            \
-        }                                                                                                        \
+        decode_finish_##SUF(acc, maxs, sums, group, dim, out, part);                                             \
     }
 
 DEFINE_DECODE_AVX2(f32, float)
@@ -346,7 +365,8 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     DEFINE_GQA_BLOCKS(SUF, T, 4)                                                                                 \
     static void decode_task_avx512_##SUF(const float *qf, const T *k_cache, const T *v_cache,                    \
                                          const int64_t *kv_rows, int64_t n, int64_t group, int64_t head_group,   \
-                                         int64_t dim, float scale, float *scores, float *acc, T *out) {          \
+                                         int64_t dim, float scale, float *scores, float *acc, T *out,            \
+                                         float *part) {                                                          \
         float maxs[group], sums[group];                                                                          \
         __m128 vmax[group];                                                                                      \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY, vmax[g] = _mm_set1_ps(-INFINITY);               \
@@ -427,10 +447,7 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                 g0 += qb;                                                                                        \
             }                                                                                                    \
         }                                                                                                        \
-        for (int64_t g = 0; g < group; g++) {                                                                    \
-            float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;                                                    \
-            for (int64_t d = 0; d < dim; d++) store_##SUF(out + g * dim + d, acc[g * dim + d] * inv);            \
-        }                                                                                                        \
+        decode_finish_##SUF(acc, maxs, sums, group, dim, out, part);                                             \
     }
 
 DEFINE_DECODE_AVX512(f32, float)
@@ -586,8 +603,9 @@ static inline __m256 silu8(__m256 g) {
     /* One decode task in portable C (same layout as the AVX2 one): the fallback for other CPUs and head sizes. */\
     static void decode_task_scalar_##SUF(const float *qf, const T *k_cache, const T *v_cache,                   \
                                          const int64_t *kv_rows, int64_t n, int64_t group, int64_t head_group,   \
-                                         int64_t dim, float scale, float *scores, float *acc, T *out) {          \
-        (void)acc; /* the scalar path accumulates one output at a time */                                        \
+                                         int64_t dim, float scale, float *scores, float *acc, T *out,            \
+                                         float *part) {                                                          \
+        float maxs[group], sums[group];                                                                          \
         for (int64_t g = 0; g < group; g++) {                                                                    \
             const float *qg = qf + g * dim;                                                                      \
             const T *kc = k_cache + (g / head_group) * dim, *vc = v_cache + (g / head_group) * dim;              \
@@ -605,14 +623,14 @@ static inline __m256 silu8(__m256 g) {
                 sum += e;                                                                                        \
                 sg[i] = round_##SUF(e);                                                                          \
             }                                                                                                    \
-            float inv = sum > 0.f ? 1.0f / sum : 0.f;                                                            \
-            T *o = out + g * dim;                                                                                \
+            maxs[g] = m, sums[g] = sum;                                                                          \
             for (int64_t d = 0; d < dim; d++) {                                                                  \
-                float acc = 0.f;                                                                                 \
-                for (int64_t i = 0; i < n; i++) acc = fmaf(sg[i], load_##SUF(vc + kv_rows[i] + d), acc);        \
-                store_##SUF(o + d, acc * inv);                                                                   \
+                float a = 0.f;                                                                                   \
+                for (int64_t i = 0; i < n; i++) a = fmaf(sg[i], load_##SUF(vc + kv_rows[i] + d), a);             \
+                acc[g * dim + d] = a;                                                                            \
             }                                                                                                    \
         }                                                                                                        \
+        decode_finish_##SUF(acc, maxs, sums, group, dim, out, part);                                             \
     }                                                                                                            \
                                                                                                                  \
     /* One new token per sequence over its paged context. One task per (sequence, KV head): the task reads its  \
@@ -620,53 +638,95 @@ static inline __m256 silu8(__m256 g) {
      * of values) keep the softmax exact without rescaling. With window > 0 only the last `window` positions.   \
      * As in SDPA's bf16 kernel, the unnormalised probabilities are rounded to bf16 before they weight V (the    \
      * sum that normalises them is not), so bf16 models follow transformers' rounding.                          \
+     * Few sequences give few tasks (one sequence: one per KV head, 3 for 2 threads on smollm2), so a long       \
+     * context's tasks are split along the positions (flash-decoding): each chunk keeps its own max, sum and     \
+     * unnormalised sum of values, and the chunks are combined, rescaled to the overall max, at the end.         \
      */                                                                                                          \
-    void paged_decode_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                   \
+    void paged_decode_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                    \
                             const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, T *out,  \
                             int64_t batch, int64_t nheads, int64_t nkv, int64_t dim, int64_t block_size,         \
                             float scale, int64_t window, int nthreads) {                                         \
         int64_t group = nheads / nkv;                                                                            \
         int64_t row = nkv * dim;                                                                                 \
-        int64_t positions = 0;                                                                                   \
-        for (int64_t b = 0; b < batch; b++)                                                                      \
-            positions += (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];                            \
-        int parallel = positions * nheads * dim >= PARALLEL_MIN_ATTENTION_WORK;                                  \
+        int64_t positions = 0, longest = 0;                                                                      \
+        for (int64_t b = 0; b < batch; b++) {                                                                    \
+            int64_t n = (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];                             \
+            positions += n;                                                                                      \
+            longest = n > longest ? n : longest;                                                                 \
+        }                                                                                                        \
+        int parallel = nthreads > 1 && positions * nheads * dim >= PARALLEL_MIN_ATTENTION_WORK;                  \
         /* A task is one sequence's KV heads (all of them when the batch alone keeps the threads busy: each      \
-         * position's row is then read whole and in order; else one KV head, so a long single sequence still    \
-         * spreads over the threads). */                                                                         \
+         * position's row is then read whole and in order; else one KV head, split into chunks of positions). */ \
         int64_t kv_per_task = batch >= 2 * nthreads ? nkv : 1;                                                   \
         int64_t tasks_per_seq = nkv / kv_per_task, heads_per_task = kv_per_task * group;                         \
+        int64_t whole_tasks = batch * tasks_per_seq, splits = 1;                                                 \
+        if (parallel && kv_per_task == 1) {                                                                      \
+            int64_t wanted = (DECODE_SPLIT_TASKS * nthreads + whole_tasks - 1) / whole_tasks;                    \
+            int64_t most = longest / DECODE_SPLIT_MIN;                                                           \
+            splits = wanted < most ? wanted : most;                                                              \
+            splits = splits < 1 ? 1 : splits;                                                                    \
+        }                                                                                                        \
+        int64_t part_len = heads_per_task * (2 + dim);                                                           \
+        float *parts = splits > 1 ? (float *)malloc(sizeof(float) * whole_tasks * splits * part_len) : NULL;     \
         _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (parallel)")                     \
-        for (int64_t task = 0; task < batch * tasks_per_seq; task++) {                                           \
-            int64_t b = task / tasks_per_seq, kv0 = (task % tasks_per_seq) * kv_per_task;                         \
+        for (int64_t task = 0; task < whole_tasks * splits; task++) {                                            \
+            int64_t whole = task / splits, chunk = task % splits;                                                \
+            int64_t b = whole / tasks_per_seq, kv0 = (whole % tasks_per_seq) * kv_per_task;                      \
             int64_t len = seq_lens[b];                                                                           \
             int64_t start = (window > 0 && len > window) ? len - window : 0;                                     \
-            int64_t n = len - start;                                                                             \
+            int64_t first = start + (len - start) * chunk / splits;                                              \
+            int64_t n = start + (len - start) * (chunk + 1) / splits - first;                                    \
             const int64_t *table = block_tables + b * table_stride;                                              \
             float *qf = (float *)malloc(sizeof(float) * heads_per_task * dim);                                   \
             float *scores = (float *)malloc(sizeof(float) * heads_per_task * (n > 0 ? n : 1));                   \
             int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                             \
             float *acc = (float *)malloc(sizeof(float) * heads_per_task * dim);                                  \
-            for (int64_t i = 0, blk = start / block_size, off = start % block_size; i < n; i++) {                \
-                kv_rows[i] = (table[blk] * block_size + off) * row + kv0 * dim; /* no division per position */  \
+            for (int64_t i = 0, blk = first / block_size, off = first % block_size; i < n; i++) {                \
+                kv_rows[i] = (table[blk] * block_size + off) * row + kv0 * dim; /* no division per position */   \
                 if (++off == block_size) off = 0, blk++;                                                         \
             }                                                                                                    \
             const T *qh = q + b * q_stride + kv0 * group * dim;                                                  \
             for (int64_t j = 0; j < heads_per_task * dim; j++) qf[j] = load_##SUF(qh + j);                       \
             T *o = out + (b * nheads + kv0 * group) * dim;                                                       \
+            float *part = parts ? parts + task * part_len : NULL;                                                \
             if (DECODE_AVX512 && dim % 16 == 0)                                                                  \
                 DECODE_TASK_AVX512(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,     \
-                                        scores, acc, o);                                                         \
+                                        scores, acc, o, part);                                                   \
             else if (DECODE_AVX2 && dim % 8 == 0)                                                                \
                 DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,       \
-                                      scores, acc, o);                                                           \
+                                      scores, acc, o, part);                                                     \
             else                                                                                                 \
                 decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,    \
-                                         scores, acc, o);                                                        \
+                                         scores, acc, o, part);                                                  \
             free(qf);                                                                                            \
             free(scores);                                                                                        \
             free(kv_rows);                                                                                       \
             free(acc);                                                                                           \
+        }                                                                                                        \
+        if (parts) { /* out = sum_c w_c acc_c / sum_c w_c sum_c, w_c = e^(max_c - max); an empty chunk weighs 0 */ \
+            float sum_v[dim];                                                                                    \
+            for (int64_t whole = 0; whole < whole_tasks; whole++) {                                              \
+                int64_t b = whole / tasks_per_seq, kv0 = (whole % tasks_per_seq) * kv_per_task;                  \
+                T *o = out + (b * nheads + kv0 * group) * dim;                                                   \
+                const float *whole_parts = parts + whole * splits * part_len;                                    \
+                for (int64_t g = 0; g < heads_per_task; g++) {                                                   \
+                    float top = -INFINITY, total = 0.f;                                                          \
+                    for (int64_t c = 0; c < splits; c++)                                                         \
+                        top = whole_parts[c * part_len + g] > top ? whole_parts[c * part_len + g] : top;         \
+                    for (int64_t d = 0; d < dim; d++) sum_v[d] = 0.f;                                            \
+                    for (int64_t c = 0; c < splits; c++) {                                                       \
+                        const float *part = whole_parts + c * part_len;                                          \
+                        if (part[g] == -INFINITY) continue;                                                      \
+                        float w = expf(part[g] - top);                                                           \
+                        total += w * part[heads_per_task + g];                                                   \
+                        const float *acc = part + 2 * heads_per_task + g * dim;                                  \
+                        for (int64_t d = 0; d < dim; d++) sum_v[d] += w * acc[d];                                \
+                    }                                                                                            \
+                    float inv = total > 0.f ? 1.0f / total : 0.f;                                                \
+                    for (int64_t d = 0; d < dim; d++) store_##SUF(o + g * dim + d, sum_v[d] * inv);              \
+                }                                                                                                \
+            }                                                                                                    \
+            free(parts);                                                                                         \
         }                                                                                                        \
     }
 

@@ -44,8 +44,8 @@ LOWER_LEVELS = LEVELS[: max(1, LEVELS.index(cpu_level()))]
 
 @pytest.mark.parametrize("level", LOWER_LEVELS)
 def test_lower_instruction_set_builds_match_the_reference(tmp_path, level: str) -> None:
-    """Each lower level's build, in a fresh cache: decode attention (both task layouts, with and without a
-    window) and, from AVX-512 on, the linear kernel with float32 widening of bfloat16."""
+    """Each lower level's build, in a fresh cache: decode attention (both task layouts and split tasks, with and
+    without a window) and, from AVX-512 on, the linear kernel with float32 widening of bfloat16."""
     code = f"""
 import torch
 import torch.nn.functional as F
@@ -58,9 +58,11 @@ from tests.kernels.test_attention import make_batch
 assert build_level() == {level!r}
 native = NativeCPUOps(load_library())
 assert native.has_linear == ({level!r} == "avx512")
-# 5 sequences: one task per sequence on 2 threads; 2: one task per KV head.
-for rows in ([(1, 1), (1, 17), (1, 90), (1, 33), (1, 5)], [(1, 17), (1, 90)]):
-    (k_cache, v_cache), (q, _, _), meta, _, _ = make_batch(rows, 6, 2, 16)
+torch.set_num_threads(2)
+# 5 sequences: one task per sequence on 2 threads; 2: one task per KV head; one long one (32 heads): split tasks.
+for rows, heads in (([(1, 1), (1, 17), (1, 90), (1, 33), (1, 5)], (6, 2)), ([(1, 17), (1, 90)], (6, 2)),
+                    ([(1, 1300)], (32, 4))):
+    (k_cache, v_cache), (q, _, _), meta, _, _ = make_batch(rows, *heads, 16)
     for window in (None, 20):
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25, window)
         torch.testing.assert_close(native.paged_decode_attention(*args), attention.paged_decode_attention(*args))
@@ -205,6 +207,37 @@ def test_decode_attention_head_sizes(native: NativeCPUOps, dtype: torch.dtype, h
         else:
             torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
 
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_few_long_sequences_split_their_positions_across_the_threads(native: NativeCPUOps, dtype: torch.dtype,
+                                                                     head_dim: int) -> None:
+    """Fewer sequences than twice the threads: each KV head's positions are split into chunks (flash-decoding,
+    on 2 threads) whose parts are combined at the end; the 16-lane task (head size 64) and the 8-lane one (8).
+    One sequence of 1500 positions (6 chunks); three where one has a single position, so some of its chunks are
+    empty and must weigh nothing; and the same under a window."""
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size, num_heads, num_kv_heads = 300, 16, 9, 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seq_lens in ([1500], [1500, 1, 300]):
+            batch = len(seq_lens)
+            q = (torch.randn(batch, num_heads, head_dim, generator=gen) * 2).to(dtype)
+            block_tables = torch.randperm(num_blocks, generator=gen)[: batch * 94].view(batch, 94)
+            for window in (None, 600):
+                args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5, window)
+                out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
+                if dtype == torch.float32:
+                    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+                else:
+                    torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
