@@ -49,7 +49,8 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
  * but a scheduler time slice when another thread holds a core (the engine's event loop, a neighbour), so decode-
  * sized elementwise ops stay on the calling thread, as torch's own grain size (32768) keeps them. */
 #define PARALLEL_MIN_ELEMS 65536
-#define PARALLEL_MIN_ATTENTION_WORK (1 << 18) /* context positions x query heads x head_dim */
+#define PARALLEL_MIN_ATTENTION_WORK (1 << 20) /* context positions x query heads x head_dim */
+#define PARALLEL_MIN_SPLIT_WORK (1 << 18)     /* the same, for the few sequences whose tasks split */
 #define DECODE_SPLIT_TASKS 8 /* tasks per thread that paged_decode splits few long sequences into */
 #define DECODE_SPLIT_MIN 128 /* positions per split task at least */
 
@@ -654,10 +655,11 @@ static inline __m256 silu8(__m256 g) {
             positions += n;                                                                                      \
             longest = n > longest ? n : longest;                                                                 \
         }                                                                                                        \
-        int parallel = nthreads > 1 && positions * nheads * dim >= PARALLEL_MIN_ATTENTION_WORK;                  \
         /* A task is one sequence's KV heads (all of them when the batch alone keeps the threads busy: each      \
          * position's row is then read whole and in order; else one KV head, split into chunks of positions). */ \
         int64_t kv_per_task = batch >= 2 * nthreads ? nkv : 1;                                                   \
+        int parallel = nthreads > 1 && positions * nheads * dim >= (kv_per_task == 1 ? PARALLEL_MIN_SPLIT_WORK   \
+                                                                   : PARALLEL_MIN_ATTENTION_WORK);               \
         int64_t tasks_per_seq = nkv / kv_per_task, heads_per_task = kv_per_task * group;                         \
         int64_t whole_tasks = batch * tasks_per_seq, splits = 1;                                                 \
         if (parallel && kv_per_task == 1) {                                                                      \
