@@ -287,7 +287,9 @@ def build_cases(device: torch.device, dtype: torch.dtype, quick: bool, with_trit
     )
 
     scale = HEAD_DIM**-0.5
-    for batch, context, window in ((64 // div, 4096, None), (64 // div, 8192 // min(div, 4), 1024)):
+    # The last: one long sequence, whose KV heads' positions split across the threads (flash-decoding).
+    for batch, context, window in ((64 // div, 4096, None), (64 // div, 8192 // min(div, 4), 1024),
+                                   (1, 16384 // min(div, 4), None)):
         rows = [(1, context)] * batch
         query, _, _, k_cache, v_cache, meta = _paged_batch(rows, device, dtype)
         visible = min(context, window or context)
