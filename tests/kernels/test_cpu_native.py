@@ -208,8 +208,6 @@ def test_decode_attention_head_sizes(native: NativeCPUOps, dtype: torch.dtype, h
             torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
 
 
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 8])
 def test_few_long_sequences_split_their_positions_across_the_threads(native: NativeCPUOps, dtype: torch.dtype,
