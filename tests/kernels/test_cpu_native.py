@@ -186,6 +186,14 @@ def test_bf16_decode_attention_is_as_accurate_as_the_reference(native: NativeCPU
     assert native_error.max() <= (reference.double() - exact).abs().max()
 
 
+def assert_decode_close(out: torch.Tensor, reference: torch.Tensor) -> None:
+    """Native decode attention against the torch reference: float32 to rounding, bfloat16 to its precision."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 8])
 @pytest.mark.parametrize("batch", [5, 1])
@@ -202,10 +210,7 @@ def test_decode_attention_head_sizes(native: NativeCPUOps, dtype: torch.dtype, h
     for window in (None, 37):
         args = (q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5, window)
         out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
-        if dtype == torch.float32:
-            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-        else:
-            torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
+        assert_decode_close(out, reference)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,10 +235,7 @@ def test_few_long_sequences_split_their_positions_across_the_threads(native: Nat
             for window in (None, 600):
                 args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5, window)
                 out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
-                if dtype == torch.float32:
-                    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-                else:
-                    torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
+                assert_decode_close(out, reference)
     finally:
         torch.set_num_threads(threads)
 
@@ -255,10 +257,7 @@ def test_decode_attention_gqa_group_sizes(native: NativeCPUOps, dtype: torch.dty
         block_tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
         args = (q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5, None)
         out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
-        if dtype == torch.float32:
-            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-        else:
-            torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=2e-3)
+        assert_decode_close(out, reference)
 
 def test_decode_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
     """Blocks before the window may hold garbage (reused SWA blocks): NaNs there must not reach the output."""
