@@ -4,14 +4,18 @@ The workload is ``bench/serve.py``'s random dataset (seeded token-id prompts, le
 ``ignore_eos`` so every request gets exactly its output length). Offline, ``LLM.generate`` takes every prompt at
 once in this process. Online, a real ``ksana serve`` process on loopback (same model, same default settings) gets
 every request at once (request rate inf: saturation) from ``bench/serve.py``'s load generator, streamed, in this
-process. Both runs are warmed up first. The figure is output tokens/s over each run's wall time, and the ratio
-online / offline (the performance issue's target: at least 0.9).
+process. The figure is output tokens/s over each run's wall time, and the ratio online / offline (the performance
+issue's target: at least 0.9).
 
-The machine is shared by the server, the load generator and the offline engine in turn: the offline engine is
-released before the server starts, and the load generator's own CPU time (parsing one SSE event per token) is
-part of what the online figure pays, as it is for any client on the same host.
+One run of each moves by more than the target's margin on a shared 2-vCPU VM (the machine's speed drifts by 20%
+within minutes), so both engines are built and warmed once and then run in ``--rounds`` interleaved rounds (offline
+first in even rounds, online first in odd ones, so drift and order weigh on both). The ratio is pooled: the
+online runs' tokens over their summed seconds against the offline runs'; every round's own ratio is kept too.
+Whichever engine is not running sits idle (its threads asleep; the server's CPU during the offline runs is
+recorded to show it). The load generator's own CPU time (parsing one SSE event per token) is part of what the
+online figure pays, as it is for any client on the same host.
 
-    python bench/serving_vs_offline.py            # smollm2: 64 requests, input 32-256, output 64-256 tokens
+    python bench/serving_vs_offline.py            # smollm2: 64 requests, input 32-256, output 64-256, 3 rounds
     python bench/serving_vs_offline.py --quick    # the demo model, a few requests: checks the script
 """
 
@@ -22,11 +26,13 @@ import gc
 import importlib.util
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import orjson
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,62 +53,108 @@ def load_serve_bench():
 
 
 # ---- offline ------------------------------------------------------------------------------------------------------
-def run_offline(model: str, workload, engine_args: dict[str, Any]) -> dict[str, Any]:
+def build_offline(model: str, workload, engine_args: dict[str, Any]):
     from ksana import LLM, SamplingParams
 
     llm = LLM(model=model, **engine_args)
     llm.generate([workload[0].prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def run_offline(llm, workload) -> dict[str, Any]:
+    from ksana import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
     started = time.perf_counter()
     results = llm.generate([r.prompt for r in workload], params, use_tqdm=False)
     elapsed = time.perf_counter() - started
     num_out = sum(len(r.outputs[0].token_ids) for r in results)
-    del llm, results
-    gc.collect()
     return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed}
 
 
 # ---- online -------------------------------------------------------------------------------------------------------
-def run_online(serve_bench, model: str, workload, endpoint: str, engine_flags: list[str]) -> dict[str, Any]:
+@attrs.define
+class OnlineTarget:
+    """A started server, warmed, and the load generator's arguments for it."""
+
+    serve_bench: Any
+    args: argparse.Namespace
+    model_id: str
+
+
+def connect_online(serve_bench, server, endpoint: str, workload) -> OnlineTarget:
     import httpx2
     import trio
 
-    from ksana.server.process import ServeProcess
+    args = argparse.ArgumentParser()
+    serve_bench.add_arguments(args)
+    args = args.parse_args(["--base-url", server.url, "--endpoint", endpoint])
+    model_id = httpx2.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    warm = serve_bench.BenchRequest(workload[0].prompt, workload[0].prompt_len, 4)
+    trio.run(serve_bench.benchmark, args, [warm], model_id)
+    return OnlineTarget(serve_bench, args, model_id)
 
-    with ServeProcess("--model", model, *engine_flags, startup_timeout_s=STARTUP_TIMEOUT_S) as server:
-        args = argparse.ArgumentParser()
-        serve_bench.add_arguments(args)
-        args = args.parse_args(["--base-url", server.url, "--endpoint", endpoint])
-        info = httpx2.get(server.url + "/v1/models", timeout=60).json()["data"][0]
-        warm = serve_bench.BenchRequest(workload[0].prompt, workload[0].prompt_len, 4)
-        trio.run(serve_bench.benchmark, args, [warm], info["id"])
-        results, duration = trio.run(serve_bench.benchmark, args, workload, info["id"])
-    summary = serve_bench.summarize(args, workload, results, duration, info["id"])
+
+def run_online(target: OnlineTarget, workload) -> dict[str, Any]:
+    import trio
+
+    results, duration = trio.run(target.serve_bench.benchmark, target.args, workload, target.model_id)
+    summary = target.serve_bench.summarize(target.args, workload, results, duration, target.model_id)
     keep = ("duration", "completed", "failed", "total_output_tokens", "output_throughput", "mean_ttft_ms",
             "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_itl_ms", "errors")
-    return {key: summary[key] for key in keep} | {"output_tok_s": summary["output_throughput"],
+    return {key: summary[key] for key in keep} | {"seconds": duration, "output_tok_s": summary["output_throughput"],
                                                    "output_tokens": summary["total_output_tokens"]}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system seconds of a process so far (Linux ``/proc``; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
 def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-              endpoint: str = "/v1/completions", seed: int = 0, engine_flags: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Both runs of one workload; ``engine_flags`` are ``ksana serve`` flags of the shared config (``--max-batch-size
-    32``), given to the server as flags and to ``LLM`` as the same overrides."""
+              endpoint: str = "/v1/completions", seed: int = 0, engine_flags: tuple[str, ...] = (),
+              rounds: int = 3) -> dict[str, Any]:
+    """``rounds`` interleaved runs of one workload on each side; ``engine_flags`` are ``ksana serve`` flags of the
+    shared config (``--max-batch-size 32``), given to the server as flags and to ``LLM`` as the same overrides."""
     import torch
+    from transformers import AutoConfig
 
     from ksana.builtin import resolve_model_dir
     from ksana.models.shape import ModelShape
+    from ksana.server.process import ServeProcess
 
     serve_bench = load_serve_bench()
     engine_args = _flags_as_overrides(list(engine_flags))
-    from transformers import AutoConfig
-
     vocab_size = ModelShape.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(model)),
                                            torch.float32).vocab_size
     workload = serve_bench.random_dataset(num_prompts, input_len, output_len, vocab_size, seed)
-    offline = run_offline(model, workload, engine_args)
-    online = run_online(serve_bench, model, workload, endpoint, list(engine_flags))
+    print(f"building the offline engine and starting ksana serve ({model})", flush=True)
+    llm = build_offline(model, workload, engine_args)
+    per_round = []
+    with ServeProcess("--model", model, *engine_flags, startup_timeout_s=STARTUP_TIMEOUT_S) as server:
+        target = connect_online(serve_bench, server, endpoint, workload)
+        for index in range(rounds):
+            runs: dict[str, dict[str, Any]] = {}
+            for side in ("offline", "online") if index % 2 == 0 else ("online", "offline"):
+                if side == "offline":
+                    server_cpu = process_cpu_s(server.proc.pid)
+                    runs[side] = run_offline(llm, workload)
+                    if server_cpu is not None:
+                        runs[side]["server_cpu_s"] = process_cpu_s(server.proc.pid) - server_cpu
+                else:
+                    runs[side] = run_online(target, workload)
+                print(f"round {index + 1}/{rounds} {side:<8} {runs[side]['seconds']:7.2f} s "
+                      f"{runs[side]['output_tok_s']:8.1f} out tok/s", flush=True)
+            per_round.append({"order": list(runs), **runs,
+                              "ratio": runs["online"]["output_tok_s"] / runs["offline"]["output_tok_s"]})
+    del llm
+    gc.collect()
+    offline, online = (_pooled([r[side] for r in per_round]) for side in ("offline", "online"))
     return {
         "model": model,
         "endpoint": endpoint,
@@ -113,14 +165,24 @@ def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_l
         "engine_flags": list(engine_flags),
         "input_tokens": sum(r.prompt_len for r in workload),
         "requested_output_tokens": sum(r.output_len for r in workload),
+        "rounds": per_round,
         "offline": offline,
         "online": online,
         "ratio": online["output_tok_s"] / offline["output_tok_s"],
+        "ratio_median": statistics.median(r["ratio"] for r in per_round),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's runs together: summed tokens over summed seconds."""
+    seconds = sum(r["seconds"] for r in runs)
+    tokens = sum(r["output_tokens"] for r in runs)
+    return {"runs": len(runs), "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "failed": sum(r.get("failed", 0) for r in runs)}
 
 
 def _flags_as_overrides(flags: list[str]) -> dict[str, Any]:
@@ -139,17 +201,30 @@ def _flags_as_overrides(flags: list[str]) -> dict[str, Any]:
     return out
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def format_report(report: dict[str, Any]) -> str:
-    off, on = report["offline"], report["online"]
-    return "\n".join([
+    lines = [
         f"{report['model']}: {report['num_prompts']} requests, input {report['input_len']}, output "
-        f"{report['output_len']} tokens ({report['requested_output_tokens']} in all), {report['endpoint']}",
-        f"{'':<10}{'seconds':>10}{'out tokens':>12}{'out tok/s':>12}",
-        f"{'offline':<10}{off['seconds']:>10.2f}{off['output_tokens']:>12}{off['output_tok_s']:>12.1f}",
-        f"{'online':<10}{on['duration']:>10.2f}{on['output_tokens']:>12}{on['output_tok_s']:>12.1f}",
-        f"online / offline: {report['ratio']:.3f} (target >= 0.9); online mean TTFT {on['mean_ttft_ms']:.0f} ms, "
-        f"mean TPOT {on['mean_tpot_ms']:.1f} ms, {on['failed']} failed",
-    ])
+        f"{report['output_len']} tokens ({report['requested_output_tokens']} in all), {report['endpoint']}, "
+        f"{len(report['rounds'])} rounds",
+        f"{'round':<7}{'first':<9}{'offline tok/s':>14}{'online tok/s':>14}{'ratio':>8}{'online TTFT':>13}"
+        f"{'TPOT':>9}",
+    ]
+    for index, r in enumerate(report["rounds"], 1):
+        on = r["online"]
+        lines.append(f"{index:<7}{r['order'][0]:<9}{r['offline']['output_tok_s']:>14.1f}{on['output_tok_s']:>14.1f}"
+                     f"{r['ratio']:>8.3f}{on['mean_ttft_ms']:>10.0f} ms{on['mean_tpot_ms']:>6.0f} ms")
+    off, on = report["offline"], report["online"]
+    lines.append(f"{'pooled':<16}{off['output_tok_s']:>14.1f}{on['output_tok_s']:>14.1f}{report['ratio']:>8.3f}")
+    lines.append(f"online / offline: {report['ratio']:.3f} pooled, {report['ratio_median']:.3f} median of rounds "
+                 f"(target >= 0.9); {on['failed']} failed")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", help="LOW:HIGH, default 64:256 (4:16 with --quick)")
     parser.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/generate"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=_positive_int, default=3, help="interleaved offline/online rounds (default 3)")
     parser.add_argument("--quick", action="store_true", help="the demo model, 8 short requests: checks the script")
     parser.add_argument("--out", help="result JSON (default bench/results/serving_vs_offline[_quick].json)")
     args, engine_flags = parser.parse_known_args(argv)
@@ -169,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, default)
     serve_bench = load_serve_bench()
     report = run_bench(args.model, args.num_prompts, serve_bench.parse_range(args.input_len),
-                       serve_bench.parse_range(args.output_len), args.endpoint, args.seed, tuple(engine_flags))
+                       serve_bench.parse_range(args.output_len), args.endpoint, args.seed, tuple(engine_flags), args.rounds)
     print(format_report(report))
     out = Path(args.out or RESULTS / f"serving_vs_offline{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
