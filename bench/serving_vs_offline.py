@@ -9,10 +9,10 @@ issue's target: at least 0.9).
 
 One run of each moves by more than the target's margin on a shared 2-vCPU VM (the machine's speed drifts by 20%
 within minutes), so both engines are built and warmed once and then run in ``--rounds`` interleaved rounds (offline
-first in even rounds, online first in odd ones, so drift and order weigh on both). The ratio is pooled: the
-online runs' tokens over their summed seconds against the offline runs'; every round's own ratio is kept too.
-Whichever engine is not running sits idle (its threads asleep; the server's CPU during the offline runs is
-recorded to show it). The load generator's own CPU time (parsing one SSE event per token) is part of what the
+first in the first, third, ... round and online first in the others, so drift and order weigh on both). The ratio
+is pooled: the online runs' tokens over their summed seconds against the offline runs'; every round's own ratio is
+kept too. Whichever engine is not running sits idle (its threads asleep; the server's CPU during the offline runs
+is recorded to show it). The load generator's own CPU time (parsing one SSE event per token) is part of what the
 online figure pays, as it is for any client on the same host.
 
     python bench/serving_vs_offline.py            # smollm2: 64 requests, input 32-256, output 64-256, 3 rounds
@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, default)
     serve_bench = load_serve_bench()
     report = run_bench(args.model, args.num_prompts, serve_bench.parse_range(args.input_len),
-                       serve_bench.parse_range(args.output_len), args.endpoint, args.seed, tuple(engine_flags), args.rounds)
+                       serve_bench.parse_range(args.output_len), args.endpoint, args.seed, tuple(engine_flags),
+                       args.rounds)
     print(format_report(report))
     out = Path(args.out or RESULTS / f"serving_vs_offline{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
