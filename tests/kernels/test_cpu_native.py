@@ -259,6 +259,7 @@ def test_decode_attention_gqa_group_sizes(native: NativeCPUOps, dtype: torch.dty
         out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
         assert_decode_close(out, reference)
 
+
 def test_decode_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
     """Blocks before the window may hold garbage (reused SWA blocks): NaNs there must not reach the output."""
     rows = [(1, 61), (1, 23)]
