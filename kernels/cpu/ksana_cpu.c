@@ -10,7 +10,8 @@
  * (`decode_layers`) come on top (the last two at the end of this file).
  *
  * Threading: OpenMP regions use the libgomp that torch already loaded (same soname), so torch and these kernels
- * share one thread pool; the caller passes torch's thread count.
+ * share one thread pool; the caller passes torch's thread count. `decode_layers` runs a whole step as one region
+ * whose threads meet at a barrier of their own (team_wait) between ops.
  */
 #include <math.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -534,64 +535,111 @@ static inline __m256 silu8(__m256 g) {
 #define DECODE_TASK_AVX2(SUF) decode_task_scalar_##SUF
 #endif
 
+/* The per-row and per-task bodies that both the ops and decode_layers run: kept out of line, so decode_layers
+ * (compiled for AVX-512) runs the very code the ops run, with the same vectorised reductions and the same bits. */
+#define NOINLINE __attribute__((noinline))
+
+/* How paged_decode divides a step's attention into tasks. A task is one sequence's KV heads: all of them when
+ * the batch alone keeps the threads busy (each position's row is then read whole and in order), else one KV
+ * head, whose query heads share its keys and values. Few sequences give few tasks (one sequence: one per KV
+ * head, 3 for 2 threads on smollm2), so then a long context's tasks are split along the positions
+ * (flash-decoding): each chunk keeps its own max, sum and unnormalised sum of values (a part of `part_len`
+ * floats), and the chunks are combined, rescaled to the overall max, at the end. The plan depends on the
+ * thread count, not on which thread runs a task, so any thread may run any task with the same result. */
+typedef struct {
+    int64_t group, row, kv_per_task, tasks_per_seq, heads_per_task, whole_tasks, splits, part_len;
+    int parallel; /* worth waking the other threads for */
+} decode_plan;
+
+static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t nheads, int64_t nkv, int64_t dim,
+                               int64_t window, int nthreads) {
+    decode_plan plan = {.group = nheads / nkv, .row = nkv * dim};
+    int64_t positions = 0, longest = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t n = (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];
+        positions += n;
+        longest = n > longest ? n : longest;
+    }
+    plan.kv_per_task = batch >= 2 * nthreads ? nkv : 1;
+    plan.parallel = nthreads > 1 && positions * nheads * dim >= (plan.kv_per_task == 1 ? PARALLEL_MIN_SPLIT_WORK
+                                                                                       : PARALLEL_MIN_ATTENTION_WORK);
+    plan.tasks_per_seq = nkv / plan.kv_per_task;
+    plan.heads_per_task = plan.kv_per_task * plan.group;
+    plan.whole_tasks = batch * plan.tasks_per_seq;
+    plan.splits = 1;
+    if (plan.parallel && plan.kv_per_task == 1) {
+        int64_t wanted = (DECODE_SPLIT_TASKS * nthreads + plan.whole_tasks - 1) / plan.whole_tasks;
+        int64_t most = longest / DECODE_SPLIT_MIN;
+        plan.splits = wanted < most ? wanted : most;
+        plan.splits = plan.splits < 1 ? 1 : plan.splits;
+    }
+    plan.part_len = plan.heads_per_task * (2 + dim);
+    return plan;
+}
+
 #define DEFINE_KERNELS(SUF, T)                                                                                  \
     /* out = w * round(r * rsqrt(mean(r^2) + eps)), r = x (+ add, rounded, also written to residual_out). */    \
+    static NOINLINE void rms_norm_row_##SUF(const T *src, const T *add, T *residual_out, const T *w, T *o,       \
+                                          int64_t dim, float eps) {                                              \
+        if (add) { /* the new residual, rounded as torch's add rounds; it is what gets normalised */             \
+            for (int64_t d = 0; d < dim; d++)                                                                    \
+                store_##SUF(residual_out + d, load_##SUF(src + d) + load_##SUF(add + d));                        \
+            src = residual_out;                                                                                  \
+        }                                                                                                        \
+        float ss = 0.f;                                                                                          \
+        _Pragma("omp simd reduction(+ : ss)")                                                                    \
+        for (int64_t d = 0; d < dim; d++) ss += load_##SUF(src + d) * load_##SUF(src + d);                       \
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                                         \
+        for (int64_t d = 0; d < dim; d++)                                                                        \
+            store_##SUF(o + d, load_##SUF(w + d) * round_##SUF(load_##SUF(src + d) * inv));                      \
+    }                                                                                                            \
     void rms_norm_##SUF(const T *x, int64_t x_stride, const T *add, T *residual_out, const T *w, T *out,        \
                         int64_t rows, int64_t dim, float eps, int nthreads) {                                   \
         _Pragma("omp parallel for num_threads(nthreads) if (rows * dim >= PARALLEL_MIN_ELEMS)")                 \
-        for (int64_t i = 0; i < rows; i++) {                                                                     \
-            const T *src = x + i * x_stride;                                                                     \
-            T *o = out + i * dim;                                                                                \
-            if (add) { /* the new residual, rounded as torch's add rounds; it is what gets normalised */         \
-                const T *ar = add + i * dim;                                                                     \
-                T *res = residual_out + i * dim;                                                                 \
-                for (int64_t d = 0; d < dim; d++) store_##SUF(res + d, load_##SUF(src + d) + load_##SUF(ar + d)); \
-                src = res;                                                                                       \
-            }                                                                                                    \
-            float ss = 0.f;                                                                                      \
-            _Pragma("omp simd reduction(+ : ss)")                                                                \
-            for (int64_t d = 0; d < dim; d++) ss += load_##SUF(src + d) * load_##SUF(src + d);                   \
-            float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                                     \
-            for (int64_t d = 0; d < dim; d++)                                                                    \
-                store_##SUF(o + d, load_##SUF(w + d) * round_##SUF(load_##SUF(src + d) * inv));                  \
-        }                                                                                                        \
+        for (int64_t i = 0; i < rows; i++)                                                                       \
+            rms_norm_row_##SUF(x + i * x_stride, add ? add + i * dim : NULL,                                     \
+                               add ? residual_out + i * dim : NULL,                                              \
+                               w, out + i * dim, dim, eps);                                                      \
     }                                                                                                            \
                                                                                                                  \
     /* neox rotary: out[t, h] = round(round(x * cos) + round(rot(x) * sin)), rot(x) = [-x2, x1]. */             \
-    void rotary_neox_##SUF(const T *x, int64_t tok_stride, const T *cos, const T *sin, T *out, int64_t ntok,    \
-                           int64_t nheads, int64_t dim, int nthreads) {                                          \
+    static NOINLINE void rotary_token_##SUF(const T *x, const T *c, const T *s, T *out, int64_t nheads,          \
+                                          int64_t dim) {                                                         \
         int64_t half = dim / 2;                                                                                  \
-        _Pragma("omp parallel for num_threads(nthreads) if (ntok * nheads * dim >= PARALLEL_MIN_ELEMS)")        \
-        for (int64_t t = 0; t < ntok; t++) {                                                                     \
-            const T *c = cos + t * dim, *s = sin + t * dim;                                                      \
-            for (int64_t h = 0; h < nheads; h++) {                                                               \
-                const T *xh = x + t * tok_stride + h * dim;                                                      \
-                T *o = out + (t * nheads + h) * dim;                                                             \
-                for (int64_t d = 0; d < half; d++) {                                                             \
-                    float a = load_##SUF(xh + d), b = load_##SUF(xh + d + half);                                 \
-                    float c1 = load_##SUF(c + d), s1 = load_##SUF(s + d);                                        \
-                    float c2 = load_##SUF(c + d + half), s2 = load_##SUF(s + d + half);                          \
-                    store_##SUF(o + d, round_##SUF(a * c1) + round_##SUF(-b * s1));                              \
-                    store_##SUF(o + d + half, round_##SUF(b * c2) + round_##SUF(a * s2));                        \
-                }                                                                                                \
+        for (int64_t h = 0; h < nheads; h++) {                                                                   \
+            const T *xh = x + h * dim;                                                                           \
+            T *o = out + h * dim;                                                                                \
+            for (int64_t d = 0; d < half; d++) {                                                                 \
+                float a = load_##SUF(xh + d), b = load_##SUF(xh + d + half);                                     \
+                float c1 = load_##SUF(c + d), s1 = load_##SUF(s + d);                                            \
+                float c2 = load_##SUF(c + d + half), s2 = load_##SUF(s + d + half);                              \
+                store_##SUF(o + d, round_##SUF(a * c1) + round_##SUF(-b * s1));                                  \
+                store_##SUF(o + d + half, round_##SUF(b * c2) + round_##SUF(a * s2));                            \
             }                                                                                                    \
         }                                                                                                        \
     }                                                                                                            \
+    void rotary_neox_##SUF(const T *x, int64_t tok_stride, const T *cos, const T *sin, T *out, int64_t ntok,    \
+                           int64_t nheads, int64_t dim, int nthreads) {                                          \
+        _Pragma("omp parallel for num_threads(nthreads) if (ntok * nheads * dim >= PARALLEL_MIN_ELEMS)")        \
+        for (int64_t t = 0; t < ntok; t++)                                                                       \
+            rotary_token_##SUF(x + t * tok_stride, cos + t * dim, sin + t * dim, out + t * nheads * dim, nheads, \
+                               dim);                                                                             \
+    }                                                                                                            \
                                                                                                                  \
     /* out[:, :d] = round(round(silu(gate)) * up) for x = [gate | up]. */                                        \
+    static NOINLINE void silu_and_mul_row_##SUF(const T *g, T *o, int64_t d) {                                   \
+        const T *u = g + d;                                                                                      \
+        int64_t j = 0;                                                                                           \
+        SILU_AND_MUL_AVX2(SUF)                                                                                   \
+        for (; j < d; j++) {                                                                                     \
+            float gv = load_##SUF(g + j);                                                                        \
+            float sv = round_##SUF(gv / (1.0f + expf(-gv)));                                                     \
+            store_##SUF(o + j, sv * load_##SUF(u + j));                                                          \
+        }                                                                                                        \
+    }                                                                                                            \
     void silu_and_mul_##SUF(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t d, int nthreads) {     \
         _Pragma("omp parallel for num_threads(nthreads) if (rows * d >= PARALLEL_MIN_ELEMS)")                   \
-        for (int64_t i = 0; i < rows; i++) {                                                                     \
-            const T *g = x + i * x_stride, *u = g + d;                                                           \
-            T *o = out + i * d;                                                                                  \
-            int64_t j = 0;                                                                                       \
-            SILU_AND_MUL_AVX2(SUF)                                                                               \
-            for (; j < d; j++) {                                                                                 \
-                float gv = load_##SUF(g + j);                                                                    \
-                float sv = round_##SUF(gv / (1.0f + expf(-gv)));                                                 \
-                store_##SUF(o + j, sv * load_##SUF(u + j));                                                      \
-            }                                                                                                    \
-        }                                                                                                        \
+        for (int64_t i = 0; i < rows; i++) silu_and_mul_row_##SUF(x + i * x_stride, out + i * d, d);             \
     }                                                                                                            \
                                                                                                                  \
     /* Copy each token's K/V row (num_kv_heads * head_dim values) into its cache slot. */                        \
@@ -636,100 +684,94 @@ static inline __m256 silu8(__m256 g) {
         decode_finish_##SUF(acc, maxs, sums, group, dim, out, part);                                             \
     }                                                                                                            \
                                                                                                                  \
-    /* One new token per sequence over its paged context. One task per (sequence, KV head): the task reads its  \
-     * head's keys and values once, for all query heads of the group. Two passes (scores, then the weighted sum  \
-     * of values) keep the softmax exact without rescaling. With window > 0 only the last `window` positions.   \
-     * As in SDPA's bf16 kernel, the unnormalised probabilities are rounded to bf16 before they weight V (the    \
-     * sum that normalises them is not), so bf16 models follow transformers' rounding.                          \
-     * Few sequences give few tasks (one sequence: one per KV head, 3 for 2 threads on smollm2), so a long       \
-     * context's tasks are split along the positions (flash-decoding): each chunk keeps its own max, sum and     \
-     * unnormalised sum of values, and the chunks are combined, rescaled to the overall max, at the end.         \
+    /* One new token per sequence over its paged context (see plan_decode for how it splits into tasks). Two     \
+     * passes (scores, then the weighted sum of values) keep the softmax exact without rescaling. With           \
+     * window > 0 only the last `window` positions. As in SDPA's bf16 kernel, the unnormalised probabilities     \
+     * are rounded to bf16 before they weight V (the sum that normalises them is not), so bf16 models follow     \
+     * transformers' rounding. `parts`: the split tasks' partial results (plan->splits > 1), combined by         \
+     * decode_combine.                                                                                           \
      */                                                                                                          \
+    static NOINLINE void decode_run_task_##SUF(const decode_plan *plan, int64_t task, const T *q,                \
+                                               int64_t q_stride, const T *k_cache, const T *v_cache,             \
+                                               const int64_t *block_tables, int64_t table_stride,                \
+                                               const int64_t *seq_lens, T *out, int64_t nheads, int64_t dim,     \
+                                               int64_t block_size, float scale, int64_t window, float *parts) {  \
+        int64_t splits = plan->splits, heads_per_task = plan->heads_per_task, group = plan->group;               \
+        int64_t whole = task / splits, chunk = task % splits;                                                    \
+        int64_t b = whole / plan->tasks_per_seq, kv0 = (whole % plan->tasks_per_seq) * plan->kv_per_task;        \
+        int64_t len = seq_lens[b];                                                                               \
+        int64_t start = (window > 0 && len > window) ? len - window : 0;                                         \
+        int64_t first = start + (len - start) * chunk / splits;                                                  \
+        int64_t n = start + (len - start) * (chunk + 1) / splits - first;                                        \
+        const int64_t *table = block_tables + b * table_stride;                                                  \
+        float *qf = (float *)malloc(sizeof(float) * heads_per_task * dim);                                       \
+        float *scores = (float *)malloc(sizeof(float) * heads_per_task * (n > 0 ? n : 1));                       \
+        int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                                 \
+        float *acc = (float *)malloc(sizeof(float) * heads_per_task * dim);                                      \
+        for (int64_t i = 0, blk = first / block_size, off = first % block_size; i < n; i++) {                    \
+            kv_rows[i] = (table[blk] * block_size + off) * plan->row + kv0 * dim; /* no division per position */ \
+            if (++off == block_size) off = 0, blk++;                                                             \
+        }                                                                                                        \
+        const T *qh = q + b * q_stride + kv0 * group * dim;                                                      \
+        for (int64_t j = 0; j < heads_per_task * dim; j++) qf[j] = load_##SUF(qh + j);                           \
+        T *o = out + (b * nheads + kv0 * group) * dim;                                                           \
+        float *part = parts ? parts + task * plan->part_len : NULL;                                              \
+        if (DECODE_AVX512 && dim % 16 == 0)                                                                      \
+            DECODE_TASK_AVX512(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale, scores, \
+                                    acc, o, part);                                                               \
+        else if (DECODE_AVX2 && dim % 8 == 0)                                                                    \
+            DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale, scores,   \
+                                  acc, o, part);                                                                 \
+        else                                                                                                     \
+            decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,        \
+                                     scores, acc, o, part);                                                      \
+        free(qf);                                                                                                \
+        free(scores);                                                                                            \
+        free(kv_rows);                                                                                           \
+        free(acc);                                                                                               \
+    }                                                                                                            \
+                                                                                                                 \
+    /* One whole task's output from its split parts: out = sum_c w_c acc_c / sum_c w_c sum_c,                    \
+     * w_c = e^(max_c - max); an empty chunk weighs 0. */                                                        \
+    static NOINLINE void decode_combine_##SUF(const decode_plan *plan, int64_t whole, const float *parts,        \
+                                              T *out, int64_t nheads, int64_t dim) {                             \
+        int64_t splits = plan->splits, part_len = plan->part_len, heads_per_task = plan->heads_per_task;         \
+        int64_t b = whole / plan->tasks_per_seq, kv0 = (whole % plan->tasks_per_seq) * plan->kv_per_task;        \
+        T *o = out + (b * nheads + kv0 * plan->group) * dim;                                                     \
+        const float *whole_parts = parts + whole * splits * part_len;                                            \
+        float sum_v[dim];                                                                                        \
+        for (int64_t g = 0; g < heads_per_task; g++) {                                                           \
+            float top = -INFINITY, total = 0.f;                                                                  \
+            for (int64_t c = 0; c < splits; c++)                                                                 \
+                top = whole_parts[c * part_len + g] > top ? whole_parts[c * part_len + g] : top;                 \
+            for (int64_t d = 0; d < dim; d++) sum_v[d] = 0.f;                                                    \
+            for (int64_t c = 0; c < splits; c++) {                                                               \
+                const float *part = whole_parts + c * part_len;                                                  \
+                if (part[g] == -INFINITY) continue;                                                              \
+                float w = expf(part[g] - top);                                                                   \
+                total += w * part[heads_per_task + g];                                                           \
+                const float *acc = part + 2 * heads_per_task + g * dim;                                          \
+                for (int64_t d = 0; d < dim; d++) sum_v[d] += w * acc[d];                                        \
+            }                                                                                                    \
+            float inv = total > 0.f ? 1.0f / total : 0.f;                                                        \
+            for (int64_t d = 0; d < dim; d++) store_##SUF(o + g * dim + d, sum_v[d] * inv);                      \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
     void paged_decode_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                    \
                             const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, T *out,  \
                             int64_t batch, int64_t nheads, int64_t nkv, int64_t dim, int64_t block_size,         \
                             float scale, int64_t window, int nthreads) {                                         \
-        int64_t group = nheads / nkv;                                                                            \
-        int64_t row = nkv * dim;                                                                                 \
-        int64_t positions = 0, longest = 0;                                                                      \
-        for (int64_t b = 0; b < batch; b++) {                                                                    \
-            int64_t n = (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];                             \
-            positions += n;                                                                                      \
-            longest = n > longest ? n : longest;                                                                 \
-        }                                                                                                        \
-        /* A task is one sequence's KV heads (all of them when the batch alone keeps the threads busy: each      \
-         * position's row is then read whole and in order; else one KV head, split into chunks of positions). */ \
-        int64_t kv_per_task = batch >= 2 * nthreads ? nkv : 1;                                                   \
-        int parallel = nthreads > 1 && positions * nheads * dim >= (kv_per_task == 1 ? PARALLEL_MIN_SPLIT_WORK   \
-                                                                   : PARALLEL_MIN_ATTENTION_WORK);               \
-        int64_t tasks_per_seq = nkv / kv_per_task, heads_per_task = kv_per_task * group;                         \
-        int64_t whole_tasks = batch * tasks_per_seq, splits = 1;                                                 \
-        if (parallel && kv_per_task == 1) {                                                                      \
-            int64_t wanted = (DECODE_SPLIT_TASKS * nthreads + whole_tasks - 1) / whole_tasks;                    \
-            int64_t most = longest / DECODE_SPLIT_MIN;                                                           \
-            splits = wanted < most ? wanted : most;                                                              \
-            splits = splits < 1 ? 1 : splits;                                                                    \
-        }                                                                                                        \
-        int64_t part_len = heads_per_task * (2 + dim);                                                           \
-        float *parts = splits > 1 ? (float *)malloc(sizeof(float) * whole_tasks * splits * part_len) : NULL;     \
-        _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (parallel)")                     \
-        for (int64_t task = 0; task < whole_tasks * splits; task++) {                                            \
-            int64_t whole = task / splits, chunk = task % splits;                                                \
-            int64_t b = whole / tasks_per_seq, kv0 = (whole % tasks_per_seq) * kv_per_task;                      \
-            int64_t len = seq_lens[b];                                                                           \
-            int64_t start = (window > 0 && len > window) ? len - window : 0;                                     \
-            int64_t first = start + (len - start) * chunk / splits;                                              \
-            int64_t n = start + (len - start) * (chunk + 1) / splits - first;                                    \
-            const int64_t *table = block_tables + b * table_stride;                                              \
-            float *qf = (float *)malloc(sizeof(float) * heads_per_task * dim);                                   \
-            float *scores = (float *)malloc(sizeof(float) * heads_per_task * (n > 0 ? n : 1));                   \
-            int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                             \
-            float *acc = (float *)malloc(sizeof(float) * heads_per_task * dim);                                  \
-            for (int64_t i = 0, blk = first / block_size, off = first % block_size; i < n; i++) {                \
-                kv_rows[i] = (table[blk] * block_size + off) * row + kv0 * dim; /* no division per position */   \
-                if (++off == block_size) off = 0, blk++;                                                         \
-            }                                                                                                    \
-            const T *qh = q + b * q_stride + kv0 * group * dim;                                                  \
-            for (int64_t j = 0; j < heads_per_task * dim; j++) qf[j] = load_##SUF(qh + j);                       \
-            T *o = out + (b * nheads + kv0 * group) * dim;                                                       \
-            float *part = parts ? parts + task * part_len : NULL;                                                \
-            if (DECODE_AVX512 && dim % 16 == 0)                                                                  \
-                DECODE_TASK_AVX512(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,     \
-                                        scores, acc, o, part);                                                   \
-            else if (DECODE_AVX2 && dim % 8 == 0)                                                                \
-                DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,       \
-                                      scores, acc, o, part);                                                     \
-            else                                                                                                 \
-                decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,    \
-                                         scores, acc, o, part);                                                  \
-            free(qf);                                                                                            \
-            free(scores);                                                                                        \
-            free(kv_rows);                                                                                       \
-            free(acc);                                                                                           \
-        }                                                                                                        \
-        if (parts) { /* out = sum_c w_c acc_c / sum_c w_c sum_c, w_c = e^(max_c - max); an empty chunk weighs 0 */ \
-            float sum_v[dim];                                                                                    \
-            for (int64_t whole = 0; whole < whole_tasks; whole++) {                                              \
-                int64_t b = whole / tasks_per_seq, kv0 = (whole % tasks_per_seq) * kv_per_task;                  \
-                T *o = out + (b * nheads + kv0 * group) * dim;                                                   \
-                const float *whole_parts = parts + whole * splits * part_len;                                    \
-                for (int64_t g = 0; g < heads_per_task; g++) {                                                   \
-                    float top = -INFINITY, total = 0.f;                                                          \
-                    for (int64_t c = 0; c < splits; c++)                                                         \
-                        top = whole_parts[c * part_len + g] > top ? whole_parts[c * part_len + g] : top;         \
-                    for (int64_t d = 0; d < dim; d++) sum_v[d] = 0.f;                                            \
-                    for (int64_t c = 0; c < splits; c++) {                                                       \
-                        const float *part = whole_parts + c * part_len;                                          \
-                        if (part[g] == -INFINITY) continue;                                                      \
-                        float w = expf(part[g] - top);                                                           \
-                        total += w * part[heads_per_task + g];                                                   \
-                        const float *acc = part + 2 * heads_per_task + g * dim;                                  \
-                        for (int64_t d = 0; d < dim; d++) sum_v[d] += w * acc[d];                                \
-                    }                                                                                            \
-                    float inv = total > 0.f ? 1.0f / total : 0.f;                                                \
-                    for (int64_t d = 0; d < dim; d++) store_##SUF(o + g * dim + d, sum_v[d] * inv);              \
-                }                                                                                                \
-            }                                                                                                    \
+        decode_plan plan = plan_decode(seq_lens, batch, nheads, nkv, dim, window, nthreads);                     \
+        int64_t tasks = plan.whole_tasks * plan.splits;                                                          \
+        float *parts = plan.splits > 1 ? (float *)malloc(sizeof(float) * tasks * plan.part_len) : NULL;          \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (plan.parallel)")                \
+        for (int64_t task = 0; task < tasks; task++)                                                             \
+            decode_run_task_##SUF(&plan, task, q, q_stride, k_cache, v_cache, block_tables, table_stride,        \
+                                  seq_lens, out, nheads, dim, block_size, scale, window, parts);                 \
+        if (parts) {                                                                                             \
+            for (int64_t whole = 0; whole < plan.whole_tasks; whole++)                                           \
+                decode_combine_##SUF(&plan, whole, parts, out, nheads, dim);                                     \
             free(parts);                                                                                         \
         }                                                                                                        \
     }
@@ -843,12 +885,14 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
 #if defined(KSANA_AVX512)
 #include <immintrin.h>
 #include <omp.h>
+#include <sched.h>
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 
 #define PANEL 16                       /* output columns per packed panel */
 #define DECODE_ROWS 16                 /* up to this many input rows run as one tile per panel group */
 #define GEMM_MR 8                      /* input rows per tile above DECODE_ROWS */
+#define ROW_TILE 8                     /* input rows per block of the packed input (see pack_row) */
 #define GEMM_NP 3                      /* panels per tile above DECODE_ROWS */
 #define PACKED_PREFETCH 1024           /* elements ahead in a panel's stream (4 KiB of float32) */
 #define LINEAR_PARALLEL_MIN (1 << 18)  /* M * N * K below this stays on the calling thread */
@@ -871,8 +915,9 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
-/* MR input rows (a[k * MR + m], float32) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the
- * last panel, `last_mask`'s columns. `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
+/* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8]) x NP
+ * panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s columns.
+ * `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
 #define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                       \
     static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,        \
                                                 const T *bias, T *out, int64_t ldo, int rows,                    \
@@ -888,7 +933,7 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
                     _mm_prefetch((const char *)(w + p * panel_len + k * PANEL + PACKED_PREFETCH), _MM_HINT_T0);  \
             }                                                                                                    \
             _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                              \
-                __m512 x = _mm512_set1_ps(a[k * MR + m]);                                                        \
+                __m512 x = _mm512_set1_ps(a[MR > 8 ? m / 8 * 8 * K + k * 8 + m % 8 : k * MR + m]);               \
                 _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++)                                             \
                     acc[m][p] = _mm512_fmadd_ps(x, b[p], acc[m][p]);                                             \
             }                                                                                                    \
@@ -951,14 +996,68 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
         }                                                                                                        \
     }                                                                                                            \
                                                                                                                  \
-    /* x: M rows `x_stride` apart; w: pack_weight's panels for N x K; bias: N or NULL; out: M x N, contiguous. */ \
-    void packed_linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,         \
-                             int64_t N, int64_t K, int nthreads) {                                               \
+    /* Row `row` of M (K values) into the tiles' input layout as float32: a[k][m] for up to 8 rows, else         \
+     * a[t][k][m] with ROW_TILE rows a tile (row = t * ROW_TILE + m; a 16-row decode tile reads two), so threads \
+     * that pack whole row tiles never write the same cache line. */                                             \
+    static inline void pack_row_##SUF(const T *x, int64_t K, float *a, int64_t M, int64_t row) {                 \
+        int64_t step = M <= ROW_TILE ? M : ROW_TILE;                                                             \
+        float *dst = a + row / step * step * K + row % step;                                                     \
+        for (int64_t k = 0; k < K; k++) dst[k * step] = load_##SUF(x + k);                                       \
+    }                                                                                                            \
+                                                                                                                 \
+    /* The matmul over packed input `a` (pack_row's layout, whole tiles) for the calling thread, which takes     \
+     * panel groups from the shared counter `next_group` (0 at the start) until none is left.                    \
+     * Panel groups are handed out in chunks of half a thread's share of what is left, down to one: a thread     \
+     * the OS preempts (the event loop of a server shares these cores) leaves the rest to the others, the last   \
+     * chunks are small so the threads reach the barrier together, and the early ones are long contiguous        \
+     * streams (fewer restarts of the hardware prefetcher than fixed 1/8 shares: 0-3% less time over smollm2's   \
+     * 120 projections at 16 rows in three one-process A/Bs, and a 4% faster batch-16 forward in an engine A/B   \
+     * of three runs each). */                                                                                   \
+    static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
+                                    int64_t K, int64_t *next_group, int64_t nthreads) {                          \
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
         __mmask16 last_mask = (__mmask16)(N % PANEL ? (1u << (N % PANEL)) - 1u : 0xffffu);                       \
         int decode = M <= DECODE_ROWS;                                                                           \
-        int64_t stride = decode ? M : GEMM_MR, row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;             \
-        /* a[t][k][m] = x[t * stride + m][k] as float32, zero-padded to whole tiles */                           \
+        int64_t row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;                                            \
+        int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                    \
+        int64_t groups = (panels + np - 1) / np;                                                                 \
+        for (;;) {                                                                                               \
+            int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
+            if (g0 >= groups) break;                                                                             \
+            int64_t chunk = (groups - g0) / (2 * nthreads);                                                      \
+            chunk = chunk < 1 ? 1 : chunk;                                                                       \
+            g0 = __atomic_fetch_add(next_group, chunk, __ATOMIC_RELAXED);                                        \
+            int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;                                              \
+            for (int64_t g = g0; g < g1; g++) {                                                                  \
+                int64_t p0 = g * np;                                                                             \
+                int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                  \
+                __mmask16 mask = p0 + gp == panels ? last_mask : (__mmask16)0xffff;                              \
+                const T *wg = w + p0 * panel_len;                                                                \
+                const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
+                if (decode) {                                                                                    \
+                    if (gp == np)                                                                                \
+                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, out + p0 * PANEL, N, (int)M,    \
+                                                         mask, 1);                                               \
+                    else                                                                                         \
+                        for (int i = 0; i < gp; i++)                                                             \
+                            packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,                 \
+                                                             bg ? bg + i * PANEL : NULL, out + (p0 + i) * PANEL, \
+                                                             N, (int)M, i == gp - 1 ? mask : 0xffff, 1);         \
+                } else {                                                                                         \
+                    for (int64_t t = 0; t < row_tiles; t++) {                                                    \
+                        int rows = M - t * GEMM_MR < GEMM_MR ? (int)(M - t * GEMM_MR) : GEMM_MR;                 \
+                        packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, wg, panel_len, K, bg,                   \
+                                                    out + t * GEMM_MR * N + p0 * PANEL, N, rows, mask, t == 0);  \
+                    }                                                                                            \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* x: M rows `x_stride` apart; w: pack_weight's panels for N x K; bias: N or NULL; out: M x N, contiguous. */ \
+    void packed_linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,         \
+                             int64_t N, int64_t K, int nthreads) {                                               \
+        int64_t stride = M <= ROW_TILE ? M : ROW_TILE, row_tiles = (M + stride - 1) / stride;                    \
         float *a = (float *)aligned_alloc(64, sizeof(float) * ((row_tiles * stride * K + 15) / 16 * 16));        \
         int parallel = M * N * K >= LINEAR_PARALLEL_MIN;                                                         \
         int64_t next_group = 0; /* the first panel group no thread has taken */                                  \
@@ -968,7 +1067,7 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
             _Pragma("omp for schedule(static)")                                                                  \
             for (int64_t tk = 0; tk < row_tiles * k_blocks; tk++) {                                              \
                 int64_t t = tk / k_blocks, k0 = tk % k_blocks * 64, k1 = k0 + 64 < K ? k0 + 64 : K;              \
-                for (int64_t m = 0; m < stride; m++) {                                                           \
+                for (int64_t m = 0; m < stride; m++) { /* pack_row's layout, zero-padded to whole tiles */       \
                     int64_t row = t * stride + m;                                                                \
                     float *dst = a + t * stride * K + m;                                                         \
                     if (row < M)                                                                                 \
@@ -977,48 +1076,7 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
                         for (int64_t k = k0; k < k1; k++) dst[k * stride] = 0.f;                                 \
                 }                                                                                                \
             }                                                                                                    \
-            int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                \
-            int64_t groups = (panels + np - 1) / np;                                                             \
-            /* Panel groups are handed out in chunks of half a thread's share of what is left, down to one:      \
-             * a thread the OS preempts (the event loop of a server shares these cores) leaves the rest to the   \
-             * others, the last chunks are small so the threads reach the barrier together, and the early ones   \
-             * are long contiguous streams (fewer restarts of the hardware prefetcher than fixed 1/8 shares:     \
-             * 0-3% less time over smollm2's 120 projections at 16 rows in three one-process A/Bs, and a 4%      \
-             * faster batch-16 forward in an engine A/B of three runs each). */                                  \
-            int64_t nthreads_now = omp_get_num_threads();                                                        \
-            for (;;) {                                                                                           \
-                int64_t g0 = __atomic_load_n(&next_group, __ATOMIC_RELAXED);                                     \
-                if (g0 >= groups) break;                                                                         \
-                int64_t chunk = (groups - g0) / (2 * nthreads_now);                                              \
-                chunk = chunk < 1 ? 1 : chunk;                                                                   \
-                g0 = __atomic_fetch_add(&next_group, chunk, __ATOMIC_RELAXED);                                   \
-                int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;                                          \
-                for (int64_t g = g0; g < g1; g++) {                                                              \
-                    int64_t p0 = g * np;                                                                         \
-                    int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */              \
-                    __mmask16 mask = p0 + gp == panels ? last_mask : (__mmask16)0xffff;                          \
-                    const T *wg = w + p0 * panel_len;                                                            \
-                    const T *bg = bias ? bias + p0 * PANEL : NULL;                                               \
-                    if (decode) {                                                                                \
-                        if (gp == np)                                                                            \
-                            packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, out + p0 * PANEL, N,        \
-                                                             (int)M, mask, 1);                                   \
-                        else                                                                                     \
-                            for (int i = 0; i < gp; i++)                                                         \
-                                packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,             \
-                                                                 bg ? bg + i * PANEL : NULL,                     \
-                                                                 out + (p0 + i) * PANEL, N, (int)M,              \
-                                                                 i == gp - 1 ? mask : 0xffff, 1);                \
-                    } else {                                                                                     \
-                        for (int64_t t = 0; t < row_tiles; t++) {                                                \
-                            int rows = M - t * GEMM_MR < GEMM_MR ? (int)(M - t * GEMM_MR) : GEMM_MR;             \
-                            packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, wg, panel_len, K, bg,               \
-                                                        out + t * GEMM_MR * N + p0 * PANEL, N, rows,             \
-                                                        mask, t == 0);                                           \
-                        }                                                                                        \
-                    }                                                                                            \
-                }                                                                                                \
-            }                                                                                                    \
+            packed_groups_##SUF(a, w, bias, out, M, N, K, &next_group, omp_get_num_threads());                   \
         }                                                                                                        \
         free(a);                                                                                                 \
     }
@@ -1028,14 +1086,45 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
 
 /* ---- A decode step's decoder layers in one call ---------------------------------------------------------------
  *
- * The same ops, in the same order and with the same threading, as DecoderLayer.forward over the native kernels,
- * so the results are identical to the op-by-op path; what goes is Python between the ops. On this CPU each op
- * called from Python costs tens of microseconds once the matmul before it has streamed megabytes of weights
- * through the caches (the interpreter's own working set is evicted), about ten calls a layer.
+ * The same ops, in the same order, as DecoderLayer.forward over the native kernels, so the results are identical
+ * to the op-by-op path; what goes is Python between the ops. On this CPU each op called from Python costs tens of
+ * microseconds once the matmul before it has streamed megabytes of weights through the caches (the interpreter's
+ * own working set is evicted), about ten calls a layer.
+ * The whole step is one OpenMP region: the team meets at a barrier between phases instead of forking and joining
+ * for each op (five regions a layer before). The row-wise ops run on whole row tiles per thread and write their
+ * rows straight into the next matmul's packed input (pack_row), so the packing needs no phase of its own; each
+ * sequence's rotary and KV store run in its attention task when a task is a whole sequence.
  * `table` holds DECODE_LAYER_FIELDS addresses per layer (see kernels/cpu/ops.py, DecodeLayerWeights); biases may
  * be 0. `h` [M, hidden] is the embedding on entry and the last layer's MLP output on return; `residual` receives
  * the residual stream (the final norm adds them, as the Python loop leaves it).
  */
+/* The team's barrier between decode_layers' phases. libgomp's barrier spins only 100 times before it sleeps in
+ * the kernel once it manages more threads than there are CPUs, and GOMP_SPINCOUNT cannot raise that. Each thread
+ * that runs a parallel region gets its own pool, so on 2 CPUs a second calling thread is enough: in a process that
+ * ran the layers from its main thread after the engine's forward thread had, each of a batch-16 step's 240 waits
+ * cost 4-34 us (a futex wake), about 4 ms a step. This one spins with pause, then yields the CPU in a loop, so a
+ * thread the OS preempted (a server's event loop shares the cores) gets a core back soon. Sense-reversing: the
+ * last thread to arrive flips `sense`. */
+#define TEAM_SPINS (1 << 12) /* pauses before it yields: tens of microseconds */
+typedef struct {
+    _Alignas(64) int64_t arrived;
+    _Alignas(64) int sense;
+} team_barrier;
+
+static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
+    int sense = !*my_sense;
+    *my_sense = sense;
+    if (__atomic_add_fetch(&barrier->arrived, 1, __ATOMIC_ACQ_REL) == nthreads) {
+        __atomic_store_n(&barrier->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&barrier->sense, sense, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int64_t spins = 0; __atomic_load_n(&barrier->sense, __ATOMIC_ACQUIRE) != sense; spins++) {
+        if (spins < TEAM_SPINS) _mm_pause();
+        else sched_yield();
+    }
+}
+
 #define DECODE_LAYER_FIELDS 12
 #define DEFINE_DECODE_LAYERS(SUF, T)                                                                            \
     void decode_layers_##SUF(const int64_t *table, const int64_t *windows, int64_t nlayers, T *h, T *residual,  \
@@ -1044,33 +1133,110 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
                              int64_t table_stride, const int64_t *seq_lens, int64_t block_size, float eps,      \
                              float scale, int nthreads) {                                                        \
         int64_t q = nheads * dim, kv = nkv * dim, qkv_n = q + 2 * kv;                                            \
+        int64_t k_most = hidden > q ? hidden : q;                                                                \
+        k_most = k_most > inter ? k_most : inter;                                                                \
+        int64_t row_tiles = (M + ROW_TILE - 1) / ROW_TILE;                                                       \
         T *x = (T *)malloc(sizeof(T) * M * hidden), *qkv = (T *)malloc(sizeof(T) * M * qkv_n);                  \
         T *qk = (T *)malloc(sizeof(T) * M * (q + kv)), *attn = (T *)malloc(sizeof(T) * M * q);                  \
         T *gate_up = (T *)malloc(sizeof(T) * M * 2 * inter), *act = (T *)malloc(sizeof(T) * M * inter);         \
+        /* the matmuls' packed input; calloc: the padding rows of a partial last tile stay zero */               \
+        float *a = (float *)calloc(row_tiles * ROW_TILE * k_most, sizeof(float));                                \
+        /* work counters, 0 at the start: per layer four matmuls' panel groups and the attention's tasks */      \
+        int64_t *next_work = (int64_t *)calloc(5 * nlayers, sizeof(int64_t));                                    \
+        int64_t parts_len = 0; /* split attention tasks' partial results: room for the layer that needs most */  \
         for (int64_t l = 0; l < nlayers; l++) {                                                                  \
-            const int64_t *f = table + l * DECODE_LAYER_FIELDS;                                                  \
-            const T *in_norm = (const T *)(intptr_t)f[0], *qkv_w = (const T *)(intptr_t)f[1];                    \
-            const T *qkv_b = (const T *)(intptr_t)f[2], *o_w = (const T *)(intptr_t)f[3];                        \
-            const T *o_b = (const T *)(intptr_t)f[4], *post_norm = (const T *)(intptr_t)f[5];                    \
-            const T *gate_up_w = (const T *)(intptr_t)f[6], *gate_up_b = (const T *)(intptr_t)f[7];              \
-            const T *down_w = (const T *)(intptr_t)f[8], *down_b = (const T *)(intptr_t)f[9];                    \
-            T *k_cache = (T *)(intptr_t)f[10], *v_cache = (T *)(intptr_t)f[11];                                  \
-            if (l == 0) { /* residual = h; x = norm(h) */                                                        \
-                memcpy(residual, h, sizeof(T) * M * hidden);                                                     \
-                rms_norm_##SUF(h, hidden, NULL, NULL, in_norm, x, M, hidden, eps, nthreads);                     \
-            } else { /* residual += h; x = norm(residual) (elementwise, so in place) */                          \
-                rms_norm_##SUF(h, hidden, residual, residual, in_norm, x, M, hidden, eps, nthreads);             \
+            decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], nthreads);                 \
+            int64_t len = plan.splits > 1 ? plan.whole_tasks * plan.splits * plan.part_len : 0;                  \
+            parts_len = len > parts_len ? len : parts_len;                                                       \
+        }                                                                                                        \
+        float *parts = parts_len ? (float *)malloc(sizeof(float) * parts_len) : NULL;                            \
+        team_barrier barrier = {0, 0};                                                                           \
+        _Pragma("omp parallel num_threads(nthreads)")                                                            \
+        {                                                                                                        \
+            int tid = omp_get_thread_num(), nth = omp_get_num_threads(), sense = 0;                              \
+            /* row-wise phases: this thread's rows are whole row tiles (round robin), see pack_row */            \
+            int64_t mine[M > 0 ? M : 1], nmine = 0;                                                              \
+            for (int64_t t = tid; t < row_tiles; t += nth)                                                       \
+                for (int64_t r = t * ROW_TILE; r < M && r < (t + 1) * ROW_TILE; r++) mine[nmine++] = r;          \
+            for (int64_t l = 0; l < nlayers; l++) {                                                              \
+                const int64_t *f = table + l * DECODE_LAYER_FIELDS;                                              \
+                const T *in_norm = (const T *)(intptr_t)f[0], *qkv_w = (const T *)(intptr_t)f[1];                \
+                const T *qkv_b = (const T *)(intptr_t)f[2], *o_w = (const T *)(intptr_t)f[3];                    \
+                const T *o_b = (const T *)(intptr_t)f[4], *post_norm = (const T *)(intptr_t)f[5];                \
+                const T *gate_up_w = (const T *)(intptr_t)f[6], *gate_up_b = (const T *)(intptr_t)f[7];          \
+                const T *down_w = (const T *)(intptr_t)f[8], *down_b = (const T *)(intptr_t)f[9];                \
+                T *k_cache = (T *)(intptr_t)f[10], *v_cache = (T *)(intptr_t)f[11];                              \
+                int64_t *next_group = next_work + 5 * l, *next_task = next_work + 5 * l + 4;                     \
+                /* residual = h (first layer) or residual + h; x = norm(residual) */                             \
+                for (int64_t i = 0; i < nmine; i++) {                                                            \
+                    int64_t r = mine[i];                                                                         \
+                    if (l == 0) {                                                                                \
+                        memcpy(residual + r * hidden, h + r * hidden, sizeof(T) * hidden);                       \
+                        rms_norm_row_##SUF(h + r * hidden, NULL, NULL, in_norm, x + r * hidden, hidden, eps);    \
+                    } else {                                                                                     \
+                        rms_norm_row_##SUF(h + r * hidden, residual + r * hidden, residual + r * hidden,         \
+                                           in_norm,                                                              \
+                                           x + r * hidden, hidden, eps);                                         \
+                    }                                                                                            \
+                    pack_row_##SUF(x + r * hidden, hidden, a, M, r);                                             \
+                }                                                                                                \
+                team_wait(&barrier, nth, &sense);                                                                \
+                packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth);                    \
+                team_wait(&barrier, nth, &sense);                                                                \
+                decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], nthreads);             \
+                int whole_seqs = plan.kv_per_task == nkv && plan.splits == 1; /* a task is a whole sequence */   \
+                if (!whole_seqs) { /* tasks share sequences: rotary and KV store first */                        \
+                    for (int64_t i = 0; i < nmine; i++) {                                                        \
+                        int64_t b = mine[i];                                                                     \
+                        rotary_token_##SUF(qkv + b * qkv_n, cos + b * dim, sin + b * dim, qk + b * (q + kv),     \
+                                           nheads + nkv, dim);                                                   \
+                        store_kv_##SUF(qk + b * (q + kv) + q, q + kv, qkv + b * qkv_n + q + kv, qkv_n, k_cache,  \
+                                       v_cache, slots + b, 1, kv);                                               \
+                    }                                                                                            \
+                    team_wait(&barrier, nth, &sense);                                                            \
+                }                                                                                                \
+                for (int64_t tasks = plan.whole_tasks * plan.splits;;) {                                         \
+                    int64_t task = __atomic_fetch_add(next_task, 1, __ATOMIC_RELAXED);                           \
+                    if (task >= tasks) break;                                                                    \
+                    if (whole_seqs) {                                                                            \
+                        rotary_token_##SUF(qkv + task * qkv_n, cos + task * dim, sin + task * dim,               \
+                                           qk + task * (q + kv), nheads + nkv, dim);                             \
+                        store_kv_##SUF(qk + task * (q + kv) + q, q + kv, qkv + task * qkv_n + q + kv, qkv_n,     \
+                                       k_cache, v_cache, slots + task, 1, kv);                                   \
+                    }                                                                                            \
+                    decode_run_task_##SUF(&plan, task, qk, q + kv, k_cache, v_cache, block_tables, table_stride, \
+                                          seq_lens, attn, nheads, dim, block_size, scale, windows[l],            \
+                                          plan.splits > 1 ? parts : NULL);                                       \
+                }                                                                                                \
+                team_wait(&barrier, nth, &sense);                                                                \
+                if (plan.splits > 1) { /* the split parts combined, whole tasks shared out in turn */            \
+                    for (int64_t whole = tid; whole < plan.whole_tasks; whole += nth)                            \
+                        decode_combine_##SUF(&plan, whole, parts, attn, nheads, dim);                            \
+                    team_wait(&barrier, nth, &sense);                                                            \
+                }                                                                                                \
+                for (int64_t i = 0; i < nmine; i++) pack_row_##SUF(attn + mine[i] * q, q, a, M, mine[i]);        \
+                team_wait(&barrier, nth, &sense);                                                                \
+                packed_groups_##SUF(a, o_w, o_b, h, M, hidden, q, next_group + 1, nth);                          \
+                team_wait(&barrier, nth, &sense);                                                                \
+                for (int64_t i = 0; i < nmine; i++) { /* residual += h; x = norm(residual) */                    \
+                    int64_t r = mine[i];                                                                         \
+                    rms_norm_row_##SUF(h + r * hidden, residual + r * hidden, residual + r * hidden, post_norm,  \
+                                       x + r * hidden, hidden, eps);                                             \
+                    pack_row_##SUF(x + r * hidden, hidden, a, M, r);                                             \
+                }                                                                                                \
+                team_wait(&barrier, nth, &sense);                                                                \
+                packed_groups_##SUF(a, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden, next_group + 2,      \
+                                    nth);                                                                        \
+                team_wait(&barrier, nth, &sense);                                                                \
+                for (int64_t i = 0; i < nmine; i++) {                                                            \
+                    int64_t r = mine[i];                                                                         \
+                    silu_and_mul_row_##SUF(gate_up + r * 2 * inter, act + r * inter, inter);                     \
+                    pack_row_##SUF(act + r * inter, inter, a, M, r);                                             \
+                }                                                                                                \
+                team_wait(&barrier, nth, &sense);                                                                \
+                packed_groups_##SUF(a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth);                \
+                team_wait(&barrier, nth, &sense);                                                                \
             }                                                                                                    \
-            packed_linear_##SUF(x, hidden, qkv_w, qkv_b, qkv, M, qkv_n, hidden, nthreads);                              \
-            rotary_neox_##SUF(qkv, qkv_n, cos, sin, qk, M, nheads + nkv, dim, nthreads);                         \
-            store_kv_##SUF(qk + q, q + kv, qkv + q + kv, qkv_n, k_cache, v_cache, slots, M, kv);                 \
-            paged_decode_##SUF(qk, q + kv, k_cache, v_cache, block_tables, table_stride, seq_lens, attn, M,      \
-                               nheads, nkv, dim, block_size, scale, windows[l], nthreads);                       \
-            packed_linear_##SUF(attn, q, o_w, o_b, h, M, hidden, q, nthreads);                                          \
-            rms_norm_##SUF(h, hidden, residual, residual, post_norm, x, M, hidden, eps, nthreads);               \
-            packed_linear_##SUF(x, hidden, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden, nthreads);              \
-            silu_and_mul_##SUF(gate_up, 2 * inter, act, M, inter, nthreads);                                     \
-            packed_linear_##SUF(act, inter, down_w, down_b, h, M, hidden, inter, nthreads);                             \
         }                                                                                                        \
         free(x);                                                                                                 \
         free(qkv);                                                                                               \
@@ -1078,6 +1244,9 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
         free(attn);                                                                                              \
         free(gate_up);                                                                                           \
         free(act);                                                                                               \
+        free(a);                                                                                                 \
+        free(next_work);                                                                                         \
+        free(parts);                                                                                             \
     }
 
 DEFINE_DECODE_LAYERS(f32, float)

@@ -365,16 +365,17 @@ def test_pack_weights_lays_the_packed_weights_back_to_back_in_the_order_given(na
             assert after.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
 
 
-def _decode_steps(model, use_fused: bool, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A prefill of 5 sequences (one past the SWA windows), then 3 all-decode steps; the decode steps' hidden
-    states and the final KV cache."""
+def _decode_steps(model, use_fused: bool, dtype: torch.dtype, lengths: tuple[int, ...] = (1, 9, 16, 40, 3),
+                  num_blocks: int = 32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A prefill of sequences of ``lengths`` (by default one past the SWA windows), then 3 all-decode steps; the
+    decode steps' hidden states and the final KV cache."""
     if not use_fused:
         model.ops = attrs.evolve(model.ops, decode_layers=None)
-    seqs = [PagedSequence(t) for t in random_prompts([1, 9, 16, 40, 3], seed=5)]
+    seqs = [PagedSequence(t) for t in random_prompts(list(lengths), seed=5)]
     for seq, extra in zip(seqs, random_prompts([3] * len(seqs), seed=6), strict=True):
         seq.token_ids += extra
-    cache = KVCache.allocate(model.shape, 32, 8, dtype, "cpu")
-    pool = BlockPool(32, seed=1)
+    cache = KVCache.allocate(model.shape, num_blocks, 8, dtype, "cpu")
+    pool = BlockPool(num_blocks, seed=1)
     hidden_states = []
     with torch.inference_mode():
         plan = [(seq, len(seq.token_ids) - 3) for seq in seqs]
@@ -387,21 +388,40 @@ def _decode_steps(model, use_fused: bool, dtype: torch.dtype) -> tuple[list[torc
     return hidden_states, [t for pair in cache.layers for t in pair]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa", "mistral"])
-def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path, dtype: torch.dtype,
-                                                  family: str) -> None:
-    """Same kernels, same order: bit for bit the op-by-op result (biases, sliding windows, GQA), KV cache too."""
-    model_dir = make_checkpoint(tmp_path, family)
+def _assert_fused_equals_loop(model_dir, dtype: torch.dtype, native: NativeCPUOps, **steps) -> None:
     fused_model, loop_model = load_model(model_dir, dtype=dtype), load_model(model_dir, dtype=dtype)
     assert (fused_model.ops.decode_layers is not None) == native.has_linear
-    fused, fused_cache = _decode_steps(fused_model, True, dtype)
-    loop, loop_cache = _decode_steps(loop_model, False, dtype)
+    fused, fused_cache = _decode_steps(fused_model, True, dtype, **steps)
+    loop, loop_cache = _decode_steps(loop_model, False, dtype, **steps)
     assert (fused_model._decode_layers_of is not None) == native.has_linear  # the fused path really ran
     assert loop_model._decode_layers_of is None
     assert len(fused) == 3
     for a, b in zip(fused + fused_cache, loop + loop_cache, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa", "mistral"])
+def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path, dtype: torch.dtype,
+                                                  family: str) -> None:
+    """Same kernels, same order: bit for bit the op-by-op result (biases, sliding windows, GQA), KV cache too."""
+    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, native)
+
+
+# Batch shapes that take the fused step's other paths (with 2 threads; 16 query heads of 64 make 300 positions
+# enough work to split): one sequence's KV heads split along its positions across the threads; three sequences,
+# a task per KV head, split; two short ones, a task per KV head, whole; 12 rows, two row tiles with a partial
+# second; 20 rows, past the 16-row decode tile.
+BATCH_SHAPES = {"one-long": (300,), "three-long": (290, 7, 300), "two-short": (5, 9), "12-rows": tuple(range(1, 13)),
+                "20-rows": tuple(range(2, 42, 2))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", BATCH_SHAPES)
+def test_fused_decode_layers_equal_the_layer_loop_at_every_batch_shape(native: NativeCPUOps, tmp_path,
+                                                                      dtype: torch.dtype, shape: str) -> None:
+    model_dir = make_checkpoint(tmp_path, "llama", num_attention_heads=16, head_dim=64)
+    _assert_fused_equals_loop(model_dir, dtype, native, lengths=BATCH_SHAPES[shape], num_blocks=160)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa"])
