@@ -1099,12 +1099,12 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
  * the residual stream (the final norm adds them, as the Python loop leaves it).
  */
 /* The team's barrier between decode_layers' phases. libgomp's barrier spins only 100 times before it sleeps in
- * the kernel once it manages more threads than there are CPUs, and GOMP_SPINCOUNT cannot raise that. Each thread
- * that runs a parallel region gets its own pool, so on 2 CPUs a second calling thread is enough: in a process that
- * ran the layers from its main thread after the engine's forward thread had, each of a batch-16 step's 240 waits
- * cost 4-34 us (a futex wake), about 4 ms a step. This one spins with pause, then yields the CPU in a loop, so a
- * thread the OS preempted (a server's event loop shares the cores) gets a core back soon. Sense-reversing: the
- * last thread to arrive flips `sense`. */
+ * the kernel once its pools hold more threads than there are CPUs (see ksana/worker/fresh_thread.py, which keeps
+ * the engine's own process clear of that). A caller that is not clear pays a futex wake at each of a step's 240
+ * waits: 4-34 us each, about 4 ms of a batch-16 step, in a script that ran the layers from its main thread after
+ * the engine's forward thread had. This one spins with pause, then yields the CPU in a loop, so a thread the OS
+ * preempted (a server's event loop shares the cores) gets a core back soon. Sense-reversing: the last thread to
+ * arrive flips `sense`. */
 #define TEAM_SPINS (1 << 12) /* pauses before it yields: tens of microseconds */
 typedef struct {
     _Alignas(64) int64_t arrived;

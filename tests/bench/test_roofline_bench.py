@@ -19,8 +19,9 @@ from ksana.models.shape import ModelShape
 
 REPO = Path(__file__).resolve().parents[2]
 # Smaller than --quick: two batch sizes at one context, a few decode steps, one or two prefill repeats.
-SETTINGS = dict(model="demo", batches=(1, 3), contexts=(24,), decode_tokens=6, skip_steps=1, prefill_len=32,
-                prefill_repeats={"float32": 2, "bfloat16": 1}, bandwidth_mib=16, gemm_n=256, ceiling_repeats=2)
+SETTINGS = dict(model="demo", batches=(1, 3), contexts=(24,), decode_tokens=6, decode_passes=2, skip_steps=1,
+                prefill_len=32, prefill_repeats={"float32": 2, "bfloat16": 1}, bandwidth_mib=16, gemm_n=256,
+                ceiling_repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,13 @@ def test_decode_rows_cover_every_batch_and_context_and_bound_each_ceiling(report
         # A decode step's sequences are past their prompt: context + 1 (first token) onwards.
         assert d["mean_seq_len"] > d["context"]
         assert d["tokens_out_step_s"] > 0, "one TokensOut per decode step, found in its StepResult's handling"
+
+
+def test_each_decode_row_is_the_fastest_of_its_passes(report):
+    for d in report["decode"]:
+        passes = d["passes_step_s"]
+        assert len(passes) == SETTINGS["decode_passes"] and all(p > 0 for p in passes)
+        assert d["step_s"] == passes[d["pass_kept"]] == min(passes)
 
 
 def test_overhead_parts_add_up_to_the_step_and_stay_inside_it(report):
