@@ -1,6 +1,7 @@
 """Decode against the roofline, prefill against ``transformers``, and the engine's overhead, in one run.
 
-1. Both ceilings of this machine, measured in the same run (before and after the decode runs, best of each):
+1. Both ceilings of this machine, measured in the same run (before and after the decode runs, best of each; the
+   read ceiling is then raised to the fastest rate a decode run read its bytes at, where that is higher):
    read bandwidth (a large float32 tensor's ``sum``, and a matrix-vector product, on all threads) and the float32
    matmul rate (a square GEMM). Beside them, not part of the bound: the rate at which the engine's own projection
    kernel streams one weight matrix of the model's size from memory at each batch's row count. Where the arithmetic
@@ -116,6 +117,21 @@ def best_ceilings(*runs: dict[str, Any]) -> dict[str, Any]:
             "matmul": max((r["matmul"] for r in runs), key=lambda c: c["flop_per_s"]),
             "streamed_matmul": {b: max((r["streamed_matmul"][b] for r in runs), key=lambda c: c["bytes_per_s"])
                                 for b in rows}}
+
+
+def raise_to_decode_rate(ceilings: dict[str, Any], decode: list[dict[str, Any]], shape: ModelShape) -> dict[str, Any]:
+    """The read ceiling, raised to the fastest rate a decode run read its bytes at (median step period) where
+    that is higher: a step cannot read faster than the machine, so a lower measured ceiling was taken in a slow
+    phase of this VM, and keeping it would flatter every ratio."""
+    rates = {f"batch{d['batch']}_ctx{d['context']}": statistics.median(
+        decode_step_cost(shape, s["seq_lens"])["bytes"] / s["period_s"] for s in d["steps"]) for d in decode}
+    measured = ceilings["read_bandwidth"]
+    fastest = max(rates, key=rates.__getitem__, default=None)
+    read = dict(measured, decode_bytes_per_s=rates, measured_bytes_per_s=measured["bytes_per_s"],
+                source="measured")
+    if fastest is not None and rates[fastest] > measured["bytes_per_s"]:
+        read.update(bytes_per_s=rates[fastest], source=f"decode {fastest}")
+    return {**ceilings, "read_bandwidth": read}
 
 
 def measure_matmul_rate(n: int, repeats: int) -> dict[str, float]:
@@ -424,7 +440,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
                        for batch, context in configs] for _ in range(settings.decode_passes)]
             decode = [fastest_pass([runs[i] for runs in passes]) for i in range(len(configs))]
             ceiling_runs.append(run_in_fresh_thread(measure_ceilings, settings, hidden_size))
-            report["ceilings"] = ceilings = best_ceilings(*ceiling_runs)
+            report["ceilings"] = ceilings = raise_to_decode_rate(best_ceilings(*ceiling_runs), decode, shape)
             report["ceiling_runs"] = ceiling_runs
             for d in decode:
                 add_roofline(d, shape, ceilings)
@@ -479,7 +495,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"model {report['model']}, torch {report['torch']}, {report['threads']} threads, load average "
         f"{report['load_average_before']:.1f} before, {report['load_average_after']:.1f} after",
         f"ceilings (best of {len(report['ceiling_runs'])} measurements): read {bw['bytes_per_s'] / 1e9:.1f} GB/s "
-        f"({bw['bytes'] / 2**20:.0f} MiB: {readers}), float32 matmul "
+        f"({bw['bytes'] / 2**20:.0f} MiB: {readers}{_raised(bw)}), float32 matmul "
         f"{c['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s ({c['matmul']['n']}^3 GEMM)",
         f"streamed matmul (the engine's projection kernel over one {bw['bytes'] / 2**20:.0f} MiB weight): "
         + ", ".join(f"{b} rows {m['bytes_per_s'] / 1e9:.1f} GB/s" for b, m in c["streamed_matmul"].items()),
@@ -524,6 +540,12 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{'outside forward + I/O':<34}"
                      + "".join(f"{o['outside_forward_with_io_pct']:>21.1f}%" for o in report["overhead"].values()))
     return "\n".join(lines)
+
+
+def _raised(read: dict[str, Any]) -> str:
+    if read.get("source", "measured") == "measured":
+        return ""
+    return f"; raised from {read['measured_bytes_per_s'] / 1e9:.1f} to the rate of {read['source']}"
 
 
 def _cell(seconds: float, period: float) -> str:

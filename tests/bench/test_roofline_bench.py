@@ -144,6 +144,27 @@ def test_step_cost_follows_the_shape(bench):
     assert slow["bound_s"] == slow["compute_s"] == cost["flops"] > slow["memory_s"]
 
 
+def test_the_read_ceiling_is_never_below_a_decode_runs_read_rate(bench, report):
+    import torch
+
+    read = report["ceilings"]["read_bandwidth"]
+    assert read["bytes_per_s"] == max(read["measured_bytes_per_s"], *read["decode_bytes_per_s"].values())
+    assert set(read["decode_bytes_per_s"]) == {f"batch{d['batch']}_ctx{d['context']}" for d in report["decode"]}
+    # A step that read 1,000 bytes a second against a measured 500: the ceiling is raised to it, and says why.
+    shape = ModelShape(model_type="llama", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                       intermediate_size=16, vocab_size=100, max_position_embeddings=64,
+                       sliding_windows=[None], eos_token_ids=[], dtype=torch.float32)
+    step_bytes = bench.decode_step_cost(shape, [3])["bytes"]
+    decode = [{"batch": 1, "context": 2, "steps": [{"seq_lens": [3], "period_s": step_bytes / 1e3}]}]
+    ceilings = {"read_bandwidth": {"bytes_per_s": 500.0}, "matmul": {"flop_per_s": 1.0}}
+    raised = bench.raise_to_decode_rate(ceilings, decode, shape)["read_bandwidth"]
+    assert raised["bytes_per_s"] == pytest.approx(1e3) and raised["source"] == "decode batch1_ctx2"
+    assert raised["measured_bytes_per_s"] == 500.0
+    ceilings["read_bandwidth"]["bytes_per_s"] = 2e3
+    kept = bench.raise_to_decode_rate(ceilings, decode, shape)["read_bandwidth"]
+    assert kept["bytes_per_s"] == 2e3 and kept["source"] == "measured"
+
+
 def test_report_is_written_as_json_with_its_keys(bench, report, tmp_path):
     out = tmp_path / "results" / "roofline.json"
     bench.write_report(report, out)
