@@ -6,7 +6,8 @@ cached K/V out of its blocks before SDPA reads it again. These kernels do each o
 attention reads K/V in place through the block tables, once. At decode's few rows MKL reaches a fraction of the
 CPU's bandwidth, so on AVX-512 CPUs the loader packs every projection's weights into 16-column panels
 (``kernels/cpu/packed.py``) that one native matmul streams once at decode sizes and tiles for prefill, and a
-decode step's layers run in one native call (no Python between the ops). Other CPUs keep torch's layout and BLAS.
+decode step's layers run in one native call, one OpenMP region (no Python and no fork between the ops). Other
+CPUs keep torch's layout and BLAS.
 """
 
 from __future__ import annotations

@@ -1100,7 +1100,7 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
  */
 /* The team's barrier between decode_layers' phases. libgomp's barrier spins only 100 times before it sleeps in
  * the kernel once its pools hold more threads than there are CPUs (see ksana/worker/fresh_thread.py, which keeps
- * the engine's own process clear of that). A caller that is not clear pays a futex wake at each of a step's 240
+ * the engine's own process clear of that). A caller that is not clear pays a futex wake at each of a step's 270
  * waits: 4-34 us each, about 4 ms of a batch-16 step, in a script that ran the layers from its main thread after
  * the engine's forward thread had. This one spins with pause, then yields the CPU in a loop, so a thread the OS
  * preempted (a server's event loop shares the cores) gets a core back soon. Sense-reversing: the last thread to
