@@ -915,9 +915,9 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
-/* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8]) x NP
- * panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s columns.
- * `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
+/* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8], 8 being
+ * ROW_TILE) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s
+ * columns. `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
 #define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                       \
     static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,        \
                                                 const T *bias, T *out, int64_t ldo, int rows,                    \
