@@ -996,13 +996,14 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
         }                                                                                                        \
     }                                                                                                            \
                                                                                                                  \
-    /* Row `row` of M (K values) into the tiles' input layout as float32: a[k][m] for up to 8 rows, else         \
-     * a[t][k][m] with ROW_TILE rows a tile (row = t * ROW_TILE + m; a 16-row decode tile reads two), so threads \
-     * that pack whole row tiles never write the same cache line. */                                             \
-    static inline void pack_row_##SUF(const T *x, int64_t K, float *a, int64_t M, int64_t row) {                 \
+    /* Columns [k0, k1) of row `row` of M (K values a row) into the tiles' input layout as float32: a[k][m] for  \
+     * up to 8 rows, else a[t][k][m] with ROW_TILE rows a tile (row = t * ROW_TILE + m; a 16-row decode tile     \
+     * reads two), so threads that pack whole row tiles never write the same cache line. */                      \
+    static inline void pack_row_##SUF(const T *x, int64_t K, int64_t k0, int64_t k1, float *a, int64_t M,        \
+                                      int64_t row) {                                                             \
         int64_t step = M <= ROW_TILE ? M : ROW_TILE;                                                             \
         float *dst = a + row / step * step * K + row % step;                                                     \
-        for (int64_t k = 0; k < K; k++) dst[k * step] = load_##SUF(x + k);                                       \
+        for (int64_t k = k0; k < k1; k++) dst[k * step] = load_##SUF(x + k);                                     \
     }                                                                                                            \
                                                                                                                  \
     /* The matmul over packed input `a` (pack_row's layout, whole tiles) for the calling thread, which takes     \
@@ -1059,6 +1060,8 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
                              int64_t N, int64_t K, int nthreads) {                                               \
         int64_t stride = M <= ROW_TILE ? M : ROW_TILE, row_tiles = (M + stride - 1) / stride;                    \
         float *a = (float *)aligned_alloc(64, sizeof(float) * ((row_tiles * stride * K + 15) / 16 * 16));        \
+        if (M % stride) /* the padding rows of a partial last tile are computed (not stored): zeros */           \
+            memset(a + (row_tiles - 1) * stride * K, 0, sizeof(float) * stride * K);                             \
         int parallel = M * N * K >= LINEAR_PARALLEL_MIN;                                                         \
         int64_t next_group = 0; /* the first panel group no thread has taken */                                  \
         _Pragma("omp parallel num_threads(nthreads) if (parallel)")                                              \
@@ -1067,14 +1070,8 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
             _Pragma("omp for schedule(static)")                                                                  \
             for (int64_t tk = 0; tk < row_tiles * k_blocks; tk++) {                                              \
                 int64_t t = tk / k_blocks, k0 = tk % k_blocks * 64, k1 = k0 + 64 < K ? k0 + 64 : K;              \
-                for (int64_t m = 0; m < stride; m++) { /* pack_row's layout, zero-padded to whole tiles */       \
-                    int64_t row = t * stride + m;                                                                \
-                    float *dst = a + t * stride * K + m;                                                         \
-                    if (row < M)                                                                                 \
-                        for (int64_t k = k0; k < k1; k++) dst[k * stride] = load_##SUF(x + row * x_stride + k);  \
-                    else                                                                                         \
-                        for (int64_t k = k0; k < k1; k++) dst[k * stride] = 0.f;                                 \
-                }                                                                                                \
+                for (int64_t row = t * stride; row < M && row < (t + 1) * stride; row++)                         \
+                    pack_row_##SUF(x + row * x_stride, K, k0, k1, a, M, row);                                    \
             }                                                                                                    \
             packed_groups_##SUF(a, w, bias, out, M, N, K, &next_group, omp_get_num_threads());                   \
         }                                                                                                        \
@@ -1126,6 +1123,14 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
 }
 
 #define DECODE_LAYER_FIELDS 12
+/* Row b's q and k rotated into qk, its k and v stored in the KV cache (decode_layers' locals). */
+#define ROTATE_AND_STORE(SUF, b)                                                                                 \
+    do {                                                                                                         \
+        rotary_token_##SUF(qkv + (b) * qkv_n, cos + (b) * dim, sin + (b) * dim, qk + (b) * (q + kv),             \
+                           nheads + nkv, dim);                                                                   \
+        store_kv_##SUF(qk + (b) * (q + kv) + q, q + kv, qkv + (b) * qkv_n + q + kv, qkv_n, k_cache, v_cache,     \
+                       slots + (b), 1, kv);                                                                      \
+    } while (0)
 #define DEFINE_DECODE_LAYERS(SUF, T)                                                                            \
     void decode_layers_##SUF(const int64_t *table, const int64_t *windows, int64_t nlayers, T *h, T *residual,  \
                              int64_t M, int64_t hidden, int64_t nheads, int64_t nkv, int64_t dim, int64_t inter, \
@@ -1178,7 +1183,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                                            in_norm,                                                              \
                                            x + r * hidden, hidden, eps);                                         \
                     }                                                                                            \
-                    pack_row_##SUF(x + r * hidden, hidden, a, M, r);                                             \
+                    pack_row_##SUF(x + r * hidden, hidden, 0, hidden, a, M, r);                                  \
                 }                                                                                                \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth);                    \
@@ -1186,24 +1191,13 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                 decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], nthreads);             \
                 int whole_seqs = plan.kv_per_task == nkv && plan.splits == 1; /* a task is a whole sequence */   \
                 if (!whole_seqs) { /* tasks share sequences: rotary and KV store first */                        \
-                    for (int64_t i = 0; i < nmine; i++) {                                                        \
-                        int64_t b = mine[i];                                                                     \
-                        rotary_token_##SUF(qkv + b * qkv_n, cos + b * dim, sin + b * dim, qk + b * (q + kv),     \
-                                           nheads + nkv, dim);                                                   \
-                        store_kv_##SUF(qk + b * (q + kv) + q, q + kv, qkv + b * qkv_n + q + kv, qkv_n, k_cache,  \
-                                       v_cache, slots + b, 1, kv);                                               \
-                    }                                                                                            \
+                    for (int64_t i = 0; i < nmine; i++) ROTATE_AND_STORE(SUF, mine[i]);                          \
                     team_wait(&barrier, nth, &sense);                                                            \
                 }                                                                                                \
                 for (int64_t tasks = plan.whole_tasks * plan.splits;;) {                                         \
                     int64_t task = __atomic_fetch_add(next_task, 1, __ATOMIC_RELAXED);                           \
                     if (task >= tasks) break;                                                                    \
-                    if (whole_seqs) {                                                                            \
-                        rotary_token_##SUF(qkv + task * qkv_n, cos + task * dim, sin + task * dim,               \
-                                           qk + task * (q + kv), nheads + nkv, dim);                             \
-                        store_kv_##SUF(qk + task * (q + kv) + q, q + kv, qkv + task * qkv_n + q + kv, qkv_n,     \
-                                       k_cache, v_cache, slots + task, 1, kv);                                   \
-                    }                                                                                            \
+                    if (whole_seqs) ROTATE_AND_STORE(SUF, task);                                                 \
                     decode_run_task_##SUF(&plan, task, qk, q + kv, k_cache, v_cache, block_tables, table_stride, \
                                           seq_lens, attn, nheads, dim, block_size, scale, windows[l],            \
                                           plan.splits > 1 ? parts : NULL);                                       \
@@ -1214,7 +1208,8 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                         decode_combine_##SUF(&plan, whole, parts, attn, nheads, dim);                            \
                     team_wait(&barrier, nth, &sense);                                                            \
                 }                                                                                                \
-                for (int64_t i = 0; i < nmine; i++) pack_row_##SUF(attn + mine[i] * q, q, a, M, mine[i]);        \
+                for (int64_t i = 0; i < nmine; i++)                                                              \
+                    pack_row_##SUF(attn + mine[i] * q, q, 0, q, a, M, mine[i]);                                  \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, o_w, o_b, h, M, hidden, q, next_group + 1, nth);                          \
                 team_wait(&barrier, nth, &sense);                                                                \
@@ -1222,7 +1217,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                     int64_t r = mine[i];                                                                         \
                     rms_norm_row_##SUF(h + r * hidden, residual + r * hidden, residual + r * hidden, post_norm,  \
                                        x + r * hidden, hidden, eps);                                             \
-                    pack_row_##SUF(x + r * hidden, hidden, a, M, r);                                             \
+                    pack_row_##SUF(x + r * hidden, hidden, 0, hidden, a, M, r);                                  \
                 }                                                                                                \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden, next_group + 2,      \
@@ -1231,7 +1226,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                 for (int64_t i = 0; i < nmine; i++) {                                                            \
                     int64_t r = mine[i];                                                                         \
                     silu_and_mul_row_##SUF(gate_up + r * 2 * inter, act + r * inter, inter);                     \
-                    pack_row_##SUF(act + r * inter, inter, a, M, r);                                             \
+                    pack_row_##SUF(act + r * inter, inter, 0, inter, a, M, r);                                   \
                 }                                                                                                \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth);                \
