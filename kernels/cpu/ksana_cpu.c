@@ -915,6 +915,26 @@ static inline void st16m_bf16(bf16_t *p, __m512 v, __mmask16 m) { /* as f32_to_b
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
+/* silu8's operations 16 lanes wide (exp16_nonpositive is exp_nonpositive's), so the same values lane for lane. */
+static inline __m512 silu16(__m512 g) {
+    __m512 t = exp16_nonpositive(_mm512_or_ps(_mm512_set1_ps(-0.0f), g)); /* e^-|g| */
+    t = _mm512_mask_div_ps(t, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_set1_ps(1.0f), t);
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), t));
+}
+
+/* r[i] = [r0[i], ..., r7[i]]: eight columns of eight rows. */
+static inline void transpose8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2)
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+}
+
 /* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8], 8 being
  * ROW_TILE) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s
  * columns. `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
@@ -1006,6 +1026,54 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
         for (int64_t k = k0; k < k1; k++) dst[k * step] = load_##SUF(x + k);                                     \
     }                                                                                                            \
                                                                                                                  \
+    /* Columns [k0, k1) of row tile t (rows 8t..8t+7, `x_stride` apart, all below M, M >= 8) into the packed     \
+     * input as pack_row lays it out, eight columns at a time through a transpose instead of one strided store   \
+     * per value. */                                                                                             \
+    static inline void pack_tile_##SUF(const T *x, int64_t x_stride, int64_t K, int64_t k0, int64_t k1,          \
+                                       float *a, int64_t t) {                                                    \
+        const T *src = x + t * ROW_TILE * x_stride;                                                              \
+        float *dst = a + t * ROW_TILE * K;                                                                       \
+        int64_t k = k0;                                                                                          \
+        for (; k + 8 <= k1; k += 8) {                                                                            \
+            __m256 r[ROW_TILE];                                                                                  \
+            for (int m = 0; m < ROW_TILE; m++) r[m] = load8_##SUF(src + m * x_stride + k);                       \
+            transpose8x8(r);                                                                                     \
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (k + i) * ROW_TILE, r[i]);                        \
+        }                                                                                                        \
+        for (; k < k1; k++)                                                                                      \
+            for (int m = 0; m < ROW_TILE; m++) dst[k * ROW_TILE + m] = load_##SUF(src + m * x_stride + k);       \
+    }                                                                                                            \
+                                                                                                                 \
+    /* Rows of M (`x_stride` apart, K values) in the row tiles tid, tid + nth, ... into the packed input: whole  \
+     * tiles by pack_tile, a partial one (or M < 8, whose layout is M rows wide) row by row. */                  \
+    static void pack_tiles_##SUF(const T *x, int64_t x_stride, int64_t K, float *a, int64_t M, int tid,          \
+                                 int nth) {                                                                      \
+        for (int64_t t = tid; t * ROW_TILE < M; t += nth) {                                                      \
+            if (M >= ROW_TILE && (t + 1) * ROW_TILE <= M)                                                        \
+                pack_tile_##SUF(x, x_stride, K, 0, K, a, t);                                                     \
+            else                                                                                                 \
+                for (int64_t r = t * ROW_TILE; r < M && r < (t + 1) * ROW_TILE; r++)                             \
+                    pack_row_##SUF(x + r * x_stride, K, 0, K, a, M, r);                                          \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* silu_and_mul_row 16 lanes at a time: silu16, the same rounding and stores, so the same values; the tail   \
+     * goes as silu_and_mul_row's does (8 lanes of the same math, then expf one by one). */                      \
+    static void silu_and_mul_row16_##SUF(const T *g, T *o, int64_t d) {                                          \
+        const T *u = g + d;                                                                                      \
+        int64_t j = 0;                                                                                           \
+        for (; j + 8 <= d; j += j + 16 <= d ? 16 : 8) {                                                          \
+            __mmask16 m = j + 16 <= d ? (__mmask16)0xffff : (__mmask16)0x00ff;                                   \
+            __m512 s = round16_##SUF(silu16(load16m_##SUF(g + j, m)));                                           \
+            st16m_##SUF(o + j, _mm512_mul_ps(s, load16m_##SUF(u + j, m)), m);                                    \
+        }                                                                                                        \
+        for (; j < d; j++) {                                                                                     \
+            float gv = load_##SUF(g + j);                                                                        \
+            float sv = round_##SUF(gv / (1.0f + expf(-gv)));                                                     \
+            store_##SUF(o + j, sv * load_##SUF(u + j));                                                          \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
     /* The matmul over packed input `a` (pack_row's layout, whole tiles) for the calling thread, which takes     \
      * panel groups from the shared counter `next_group` (0 at the start) until none is left.                    \
      * Panel groups are handed out in chunks of half a thread's share of what is left, down to one: a thread     \
@@ -1070,8 +1138,11 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
             _Pragma("omp for schedule(static)")                                                                  \
             for (int64_t tk = 0; tk < row_tiles * k_blocks; tk++) {                                              \
                 int64_t t = tk / k_blocks, k0 = tk % k_blocks * 64, k1 = k0 + 64 < K ? k0 + 64 : K;              \
-                for (int64_t row = t * stride; row < M && row < (t + 1) * stride; row++)                         \
-                    pack_row_##SUF(x + row * x_stride, K, k0, k1, a, M, row);                                    \
+                if (M >= ROW_TILE && (t + 1) * ROW_TILE <= M)                                                    \
+                    pack_tile_##SUF(x, x_stride, K, k0, k1, a, t);                                               \
+                else                                                                                             \
+                    for (int64_t row = t * stride; row < M && row < (t + 1) * stride; row++)                     \
+                        pack_row_##SUF(x + row * x_stride, K, k0, k1, a, M, row);                                \
             }                                                                                                    \
             packed_groups_##SUF(a, w, bias, out, M, N, K, &next_group, omp_get_num_threads());                   \
         }                                                                                                        \
@@ -1183,8 +1254,8 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                                            in_norm,                                                              \
                                            x + r * hidden, hidden, eps);                                         \
                     }                                                                                            \
-                    pack_row_##SUF(x + r * hidden, hidden, 0, hidden, a, M, r);                                  \
                 }                                                                                                \
+                pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth);                    \
                 team_wait(&barrier, nth, &sense);                                                                \
@@ -1208,8 +1279,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                         decode_combine_##SUF(&plan, whole, parts, attn, nheads, dim);                            \
                     team_wait(&barrier, nth, &sense);                                                            \
                 }                                                                                                \
-                for (int64_t i = 0; i < nmine; i++)                                                              \
-                    pack_row_##SUF(attn + mine[i] * q, q, 0, q, a, M, mine[i]);                                  \
+                pack_tiles_##SUF(attn, q, q, a, M, tid, nth);                                                    \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, o_w, o_b, h, M, hidden, q, next_group + 1, nth);                          \
                 team_wait(&barrier, nth, &sense);                                                                \
@@ -1217,17 +1287,15 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                     int64_t r = mine[i];                                                                         \
                     rms_norm_row_##SUF(h + r * hidden, residual + r * hidden, residual + r * hidden, post_norm,  \
                                        x + r * hidden, hidden, eps);                                             \
-                    pack_row_##SUF(x + r * hidden, hidden, 0, hidden, a, M, r);                                  \
                 }                                                                                                \
+                pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden, next_group + 2,      \
                                     nth);                                                                        \
                 team_wait(&barrier, nth, &sense);                                                                \
-                for (int64_t i = 0; i < nmine; i++) {                                                            \
-                    int64_t r = mine[i];                                                                         \
-                    silu_and_mul_row_##SUF(gate_up + r * 2 * inter, act + r * inter, inter);                     \
-                    pack_row_##SUF(act + r * inter, inter, 0, inter, a, M, r);                                   \
-                }                                                                                                \
+                for (int64_t i = 0; i < nmine; i++)                                                              \
+                    silu_and_mul_row16_##SUF(gate_up + mine[i] * 2 * inter, act + mine[i] * inter, inter);       \
+                pack_tiles_##SUF(act, inter, inter, a, M, tid, nth);                                             \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth);                \
                 team_wait(&barrier, nth, &sense);                                                                \

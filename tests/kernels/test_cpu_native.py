@@ -424,6 +424,16 @@ def test_fused_decode_layers_equal_the_layer_loop_at_every_batch_shape(native: N
     _assert_fused_equals_loop(model_dir, dtype, native, lengths=BATCH_SHAPES[shape], num_blocks=160)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [8, 12, 16])
+def test_fused_decode_layers_equal_the_layer_loop_at_widths_off_the_vector_lanes(native: NativeCPUOps, tmp_path,
+                                                                                dtype: torch.dtype, rows: int) -> None:
+    """Hidden 108 and intermediate 92: the tails of the row-tile packing (8 columns a transpose) and of the 16-lane
+    SiLU, at one whole row tile, a whole and a partial one, and two whole ones."""
+    model_dir = make_checkpoint(tmp_path, "llama", hidden_size=108, intermediate_size=92)
+    _assert_fused_equals_loop(model_dir, dtype, native, lengths=tuple(range(3, 3 + rows)), num_blocks=160)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa"])
 def test_a_loaded_models_projections_are_one_stream_in_decode_order(native: NativeCPUOps, tmp_path,
                                                                     family: str) -> None:
