@@ -89,8 +89,8 @@ def _build_key(compiler: str, flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _compile(compiler: str, flags: list[str], directory: Path) -> None:
-    cmd = [compiler, *flags, "-o", str(directory / LIBRARY_NAME), str(SOURCE), "-lm"]
+def _compile(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> None:
+    cmd = [compiler, *flags, "-o", str(directory / LIBRARY_NAME), str(source), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
@@ -116,6 +116,21 @@ def load_library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernels unavailable, using torch reference ops: %s", error)
         return None
+    return _bind(library)
+
+
+def build_library(source: Path, directory: Path) -> ctypes.CDLL:
+    """Another source of the kernels (an older revision, an experiment) compiled with this machine's flags into
+    ``directory``, uncached, and loaded: ``bench/decode_ab.py`` runs two builds in one engine."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found")
+    _compile(compiler, compiler_flags(), directory, source)
+    return _bind(ctypes.CDLL(str(directory / LIBRARY_NAME)))
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """The argument and return types of every kernel, so ctypes passes int64 and float arguments as such."""
     for name, argtypes in SIGNATURES.items():
         for suffix in DTYPE_SUFFIX.values():
             fn = getattr(library, f"{name}_{suffix}")
