@@ -626,16 +626,21 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
                                dim);                                                                             \
     }                                                                                                            \
                                                                                                                  \
+    /* Columns [j, d) of silu_and_mul_row, one at a time with expf: the vector loops' tail. */                   \
+    static NOINLINE void silu_and_mul_tail_##SUF(const T *g, T *o, int64_t j, int64_t d) {                       \
+        for (; j < d; j++) {                                                                                     \
+            float gv = load_##SUF(g + j);                                                                        \
+            float sv = round_##SUF(gv / (1.0f + expf(-gv)));                                                     \
+            store_##SUF(o + j, sv * load_##SUF(g + d + j));                                                      \
+        }                                                                                                        \
+    }                                                                                                            \
     /* out[:, :d] = round(round(silu(gate)) * up) for x = [gate | up]. */                                        \
     static NOINLINE void silu_and_mul_row_##SUF(const T *g, T *o, int64_t d) {                                   \
         const T *u = g + d;                                                                                      \
         int64_t j = 0;                                                                                           \
         SILU_AND_MUL_AVX2(SUF)                                                                                   \
-        for (; j < d; j++) {                                                                                     \
-            float gv = load_##SUF(g + j);                                                                        \
-            float sv = round_##SUF(gv / (1.0f + expf(-gv)));                                                     \
-            store_##SUF(o + j, sv * load_##SUF(u + j));                                                          \
-        }                                                                                                        \
+        (void)u;                                                                                                 \
+        silu_and_mul_tail_##SUF(g, o, j, d);                                                                     \
     }                                                                                                            \
     void silu_and_mul_##SUF(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t d, int nthreads) {     \
         _Pragma("omp parallel for num_threads(nthreads) if (rows * d >= PARALLEL_MIN_ELEMS)")                   \
@@ -1070,11 +1075,7 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
             __m512 s = round16_##SUF(silu16(load16m_##SUF(g + j, m)));                                           \
             st16m_##SUF(o + j, _mm512_mul_ps(s, load16m_##SUF(u + j, m)), m);                                    \
         }                                                                                                        \
-        for (; j < d; j++) {                                                                                     \
-            float gv = load_##SUF(g + j);                                                                        \
-            float sv = round_##SUF(gv / (1.0f + expf(-gv)));                                                     \
-            store_##SUF(o + j, sv * load_##SUF(u + j));                                                          \
-        }                                                                                                        \
+        silu_and_mul_tail_##SUF(g, o, j, d);                                                                     \
     }                                                                                                            \
                                                                                                                  \
     /* The matmul over packed input `a` (pack_row's layout, whole tiles) for the calling thread, which takes     \

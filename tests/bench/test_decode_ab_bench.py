@@ -6,26 +6,20 @@ the bookkeeping of the rounds, and the check that two builds give the same bits.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from kernels.cpu import build, load_library
 from kernels.cpu.ops import NativeCPUOps
+from tests.bench import load_bench
 
-REPO = Path(__file__).resolve().parents[2]
 NORM_LINE = "float inv = 1.0f / sqrtf(ss / (float)dim + eps);"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode_ab_under_test", REPO / "bench" / "decode_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # attrs resolves the module's classes through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("decode_ab")
 
 
 def _settings(bench, b_source: Path):

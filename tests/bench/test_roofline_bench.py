@@ -6,18 +6,15 @@ the bookkeeping: a bound below one of its ceilings, a step split whose parts do 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import attrs
 import orjson
 import pytest
 
 from ksana.models.shape import ModelShape
+from tests.bench import load_bench
 
-REPO = Path(__file__).resolve().parents[2]
 # Smaller than --quick: two batch sizes at one context, a few decode steps, one or two prefill repeats.
 SETTINGS = dict(model="demo", batches=(1, 3), contexts=(24,), decode_tokens=6, decode_passes=2, skip_steps=1,
                 prefill_len=32, prefill_repeats={"float32": 2, "bfloat16": 1}, bandwidth_mib=16, gemm_n=256,
@@ -26,11 +23,7 @@ SETTINGS = dict(model="demo", batches=(1, 3), contexts=(24,), decode_tokens=6, d
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_roofline_under_test", REPO / "bench" / "roofline.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # attrs resolves the module's classes through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("roofline")
 
 
 @pytest.fixture(scope="module")

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serving_vs_offline_under_test",
-                                                  REPO / "bench" / "serving_vs_offline.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench import load_bench
 
 
 def test_quick_run_reports_interleaved_rounds_over_the_same_tokens(tmp_path: Path):
-    bench = load_bench()
+    bench = load_bench("serving_vs_offline")
     out = tmp_path / "serving_vs_offline.json"
     assert bench.main(["--quick", "--num-prompts", "5", "--rounds", "2", "--out", str(out),
                        "--max-batch-size", "4"]) == 0
@@ -46,7 +35,7 @@ def test_quick_run_reports_interleaved_rounds_over_the_same_tokens(tmp_path: Pat
 
 
 def test_rounds_must_be_positive(capsys):
-    bench = load_bench()
+    bench = load_bench("serving_vs_offline")
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--rounds", "0"])
     assert "--rounds: must be at least 1, got 0" in capsys.readouterr().err
