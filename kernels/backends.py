@@ -85,7 +85,7 @@ def cpu_ops() -> KernelOps:
         ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down", "lm_head"), native.linear
     )
     projections |= {"decode_layers": native.decode_layers, "pack_weights": native.pack_weights,
-                    "embedding": native.embedding}
+                    "embedding": native.embedding, "lm_head_greedy": native.lm_head_greedy}
     return KernelOps(
         name="cpu-native",
         rms_norm=native.rms_norm,

@@ -65,6 +65,10 @@ class KernelOps:
     # Greedy rows' tokens and log-probabilities without a full log_softmax, where a backend has it:
     # ``(float32 logits [N, V]) -> (token ids, logprobs) | None`` (None: not these logits). The sampler's fast path.
     greedy_logprobs: Callable | None = attrs.field(repr=False, default=None)
+    # The same from the lm_head directly, without the logits, where a backend fuses the two:
+    # ``(hidden [N, H], lm_head weight, vocab_size) -> (token ids, logprobs) | None`` (None: not this call). A timed
+    # copy drops it, so perf mode times the lm_head as its own op.
+    lm_head_greedy: Callable | None = attrs.field(repr=False, default=None)
 
     def timed(self, timer: OpTimer) -> KernelOps:
         """A copy whose every op is wrapped by ``timer`` under its operator name (see ``OPERATOR_OF_FIELD``).
@@ -89,7 +93,7 @@ class KernelOps:
             wrapped["paged_attention"] = _timed_fused_attention(timer, self.attend_cached, wrapped["store_kv_cache"])
         else:
             wrapped["paged_attention"] = _timed_fused_attention(timer, self.paged_attention)
-        return attrs.evolve(self, name=f"{self.name}+timed", decode_layers=None, **wrapped)
+        return attrs.evolve(self, name=f"{self.name}+timed", decode_layers=None, lm_head_greedy=None, **wrapped)
 
 
 # The operator name each field is timed under; several fields may share one (every norm is "norm").

@@ -40,6 +40,7 @@ SIGNATURES: dict[str, tuple] = {
     "packed_linear": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
     "decode_layers": (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
                       _ptr, _i64, _f32, _f32, _int),
+    "packed_linear_greedy": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int),
 }
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 

@@ -943,6 +943,26 @@ static inline void transpose8x8(__m256 r[8]) {
     }
 }
 
+/* r[i] = [r0[i], ..., r15[i]]: sixteen columns of sixteen rows (transpose8x8's two stages, then two across the
+ * 128-bit lanes). */
+static inline void transpose16x16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(u[i + j], u[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(u[i + j], u[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++)
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88), r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+}
+
 /* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8], 8 being
  * ROW_TILE) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s
  * columns. `prefetch`: fetch each panel's stream PACKED_PREFETCH elements ahead. */
@@ -1005,6 +1025,49 @@ static inline void transpose8x8(__m256 r[8]) {
         NULL, packed_tile_##SUF##_8_1, packed_tile_##SUF##_8_2, packed_tile_##SUF##_8_3};
 
 static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
+
+/* What packed_linear_greedy's panel groups found, per group, the rows in the 16 lanes (see greedy_block). */
+typedef struct {
+    int64_t groups, vocab;
+    float *max, *sum;      /* the group's maximum logit; sum(exp(logit - that maximum)) over the group */
+    int32_t *id, *nan_id;  /* the first column holding the maximum (-1: every logit -inf); the first NaN's (-1) */
+} greedy_groups;
+
+/* Each row's token and log-probability from its groups, in group order, as greedy_logprobs would give them: the
+ * first NaN wins (logprob NaN); else the first group holding the maximum m gives the token, and its log_softmax
+ * is -log(sum over groups of sum_g * e^(max_g - m)) (NaN where m is infinite). */
+static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *ids, float *logprobs) {
+    __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    __m512i id = _mm512_set1_epi32(-1), nan_id = id;
+    __mmask16 nan = 0;
+    for (int64_t g = 0; g < greedy->groups; g++) {
+        __m512i group_nan = _mm512_loadu_si512(greedy->nan_id + 16 * g);
+        __mmask16 first_nan = _mm512_cmpneq_epi32_mask(group_nan, _mm512_set1_epi32(-1)) & ~nan;
+        nan_id = _mm512_mask_mov_epi32(nan_id, first_nan, group_nan), nan |= first_nan;
+        __m512 group_max = _mm512_loadu_ps(greedy->max + 16 * g);
+        __mmask16 above = _mm512_cmp_ps_mask(group_max, m, _CMP_GT_OQ);
+        m = _mm512_mask_mov_ps(m, above, group_max);
+        id = _mm512_mask_mov_epi32(id, above, _mm512_loadu_si512(greedy->id + 16 * g));
+    }
+    for (int64_t g = 0; g < greedy->groups; g++) {
+        __m512 group_max = _mm512_loadu_ps(greedy->max + 16 * g);
+        __mmask16 some = _mm512_cmp_ps_mask(group_max, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+        __m512 scale = exp16_nonpositive(_mm512_sub_ps(group_max, m));
+        total = _mm512_mask3_fmadd_ps(_mm512_loadu_ps(greedy->sum + 16 * g), scale, total, some);
+    }
+    float lane_max[16], lane_total[16];
+    int32_t lane_id[16], lane_nan[16];
+    _mm512_storeu_ps(lane_max, m), _mm512_storeu_ps(lane_total, total);
+    _mm512_storeu_si512(lane_id, id), _mm512_storeu_si512(lane_nan, nan_id);
+    for (int64_t r = 0; r < rows; r++) {
+        if (nan >> r & 1) {
+            ids[r] = lane_nan[r], logprobs[r] = NAN;
+            continue;
+        }
+        ids[r] = lane_id[r] < 0 ? 0 : lane_id[r];
+        logprobs[r] = isfinite(lane_max[r]) ? -logf(lane_total[r]) : NAN;
+    }
+}
 
 #define DEFINE_PACKED_LINEAR(SUF, T)                                                                             \
     DEFINE_PACKED_TILES(SUF, T)                                                                                  \
@@ -1078,6 +1141,42 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
         silu_and_mul_tail_##SUF(g, o, j, d);                                                                     \
     }                                                                                                            \
                                                                                                                  \
+    /* Greedy decoding's part of one panel group of the lm_head: for each row, the group's maximum over columns  \
+     * [col0, col0 + width) of `block` (rows 4 * PANEL apart), the first column holding it, the first NaN's      \
+     * column, and sum(exp(x - the group's maximum)), into `greedy` at group g (see packed_linear_greedy). The    \
+     * rows go in the lanes: 16 columns at a time are transposed, so every step is one vector op for all rows.   \
+     * Columns are taken in order, so the first maximum and the first NaN are the first ones. */                 \
+    static void greedy_block_##SUF(const T *block, int rows, int64_t col0, int64_t width, greedy_groups *greedy, \
+                                   int64_t g) {                                                                  \
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();                                         \
+        __m512i id = _mm512_set1_epi32(-1), nan_id = id;                                                         \
+        __mmask16 nan = 0;                                                                                       \
+        for (int64_t c0 = 0; c0 < width; c0 += PANEL) {                                                          \
+            int cols = width - c0 < PANEL ? (int)(width - c0) : PANEL;                                           \
+            __m512 col[16];                                                                                      \
+            for (int r = 0; r < 16; r++)                                                                         \
+                col[r] = r < rows ? load16_##SUF(block + r * 4 * PANEL + c0) : _mm512_setzero_ps();              \
+            transpose16x16(col);                                                                                 \
+            __m512 before = m;                                                                                   \
+            for (int c = 0; c < cols; c++) {                                                                     \
+                __mmask16 first_nan = _mm512_cmp_ps_mask(col[c], col[c], _CMP_UNORD_Q) & ~nan;                   \
+                nan_id = _mm512_mask_mov_epi32(nan_id, first_nan, _mm512_set1_epi32((int)(col0 + c0 + c)));      \
+                nan |= first_nan;                                                                                \
+                __mmask16 above = _mm512_cmp_ps_mask(col[c], m, _CMP_GT_OQ);                                     \
+                m = _mm512_mask_mov_ps(m, above, col[c]);                                                        \
+                id = _mm512_mask_mov_epi32(id, above, _mm512_set1_epi32((int)(col0 + c0 + c)));                  \
+            }                                                                                                    \
+            /* rescale what the earlier columns summed to the new maximum (rows with one above -inf only) */     \
+            __mmask16 some = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);                       \
+            __mmask16 had = _mm512_cmp_ps_mask(before, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);                   \
+            sum = _mm512_mask_mul_ps(sum, had, sum, exp16_nonpositive(_mm512_sub_ps(before, m)));                \
+            for (int c = 0; c < cols; c++)                                                                       \
+                sum = _mm512_mask_add_ps(sum, some, sum, exp16_nonpositive(_mm512_sub_ps(col[c], m)));           \
+        }                                                                                                        \
+        _mm512_storeu_ps(greedy->max + 16 * g, m), _mm512_storeu_ps(greedy->sum + 16 * g, sum);                  \
+        _mm512_storeu_si512(greedy->id + 16 * g, id), _mm512_storeu_si512(greedy->nan_id + 16 * g, nan_id);      \
+    }                                                                                                            \
+                                                                                                                 \
     /* The matmul over packed input `a` (pack_row's layout, whole tiles) for the calling thread, which takes     \
      * panel groups from the shared counter `next_group` (0 at the start) until none is left.                    \
      * Panel groups are handed out in chunks of half a thread's share of what is left, down to one: a thread     \
@@ -1087,8 +1186,9 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
      * 120 projections at 16 rows in three one-process A/Bs, and a 4% faster batch-16 forward in an engine A/B   \
      * of three runs each). */                                                                                   \
     static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
-                                    int64_t K, int64_t *next_group, int64_t nthreads) {                          \
+                                    int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
+        T block[DECODE_ROWS * 4 * PANEL]; /* greedy: a panel group's logits, rows 4 * PANEL apart */             \
         __mmask16 last_mask = (__mmask16)(N % PANEL ? (1u << (N % PANEL)) - 1u : 0xffffu);                       \
         int decode = M <= DECODE_ROWS;                                                                           \
         int64_t row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;                                            \
@@ -1108,14 +1208,18 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
                 const T *wg = w + p0 * panel_len;                                                                \
                 const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
                 if (decode) {                                                                                    \
+                    T *o = greedy ? block : out + p0 * PANEL;                                                    \
+                    int64_t ldo = greedy ? 4 * PANEL : N;                                                        \
                     if (gp == np)                                                                                \
-                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, out + p0 * PANEL, N, (int)M,    \
-                                                         mask, 1);                                               \
+                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, o, ldo, (int)M, mask, 1);       \
                     else                                                                                         \
                         for (int i = 0; i < gp; i++)                                                             \
                             packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,                 \
-                                                             bg ? bg + i * PANEL : NULL, out + (p0 + i) * PANEL, \
-                                                             N, (int)M, i == gp - 1 ? mask : 0xffff, 1);         \
+                                                             bg ? bg + i * PANEL : NULL, o + i * PANEL, ldo,     \
+                                                             (int)M, i == gp - 1 ? mask : 0xffff, 1);            \
+                    if (greedy)                                                                                  \
+                        greedy_block_##SUF(block, (int)M, p0 * PANEL, greedy->vocab - p0 * PANEL < gp * PANEL    \
+                                           ? greedy->vocab - p0 * PANEL : gp * PANEL, greedy, g);                \
                 } else {                                                                                         \
                     for (int64_t t = 0; t < row_tiles; t++) {                                                    \
                         int rows = M - t * GEMM_MR < GEMM_MR ? (int)(M - t * GEMM_MR) : GEMM_MR;                 \
@@ -1127,9 +1231,10 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
         }                                                                                                        \
     }                                                                                                            \
                                                                                                                  \
-    /* x: M rows `x_stride` apart; w: pack_weight's panels for N x K; bias: N or NULL; out: M x N, contiguous. */ \
-    void packed_linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,         \
-                             int64_t N, int64_t K, int nthreads) {                                               \
+    /* The packing and the matmul of packed_linear; with `greedy`, no `out`: each panel group's logits go to     \
+     * greedy_block instead (decode tiles only). */                                                              \
+    static void packed_matmul_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,  \
+                                    int64_t N, int64_t K, int nthreads, greedy_groups *greedy) {                 \
         int64_t stride = M <= ROW_TILE ? M : ROW_TILE, row_tiles = (M + stride - 1) / stride;                    \
         float *a = (float *)aligned_alloc(64, sizeof(float) * ((row_tiles * stride * K + 15) / 16 * 16));        \
         if (M % stride) /* the padding rows of a partial last tile are computed (not stored): zeros */           \
@@ -1148,9 +1253,34 @@ static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : r
                     for (int64_t row = t * stride; row < M && row < (t + 1) * stride; row++)                     \
                         pack_row_##SUF(x + row * x_stride, K, k0, k1, a, M, row);                                \
             }                                                                                                    \
-            packed_groups_##SUF(a, w, bias, out, M, N, K, &next_group, omp_get_num_threads());                   \
+            packed_groups_##SUF(a, w, bias, out, M, N, K, &next_group, omp_get_num_threads(), greedy);           \
         }                                                                                                        \
         free(a);                                                                                                 \
+    }                                                                                                            \
+                                                                                                                 \
+    /* x: M rows `x_stride` apart; w: pack_weight's panels for N x K; bias: N or NULL; out: M x N, contiguous. */ \
+    void packed_linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,         \
+                             int64_t N, int64_t K, int nthreads) {                                               \
+        packed_matmul_##SUF(x, x_stride, w, bias, out, M, N, K, nthreads, NULL);                                 \
+    }                                                                                                            \
+                                                                                                                 \
+    /* Greedy decoding straight from the lm_head, without the [M, N] logits (M <= DECODE_ROWS): each row's       \
+     * first maximum over its first `vocab` logits (the first NaN if there is one) and log_softmax there, as     \
+     * greedy_logprobs gives them from the logits packed_linear writes (bf16 logits rounded as it stores them).  \
+     * Each panel group keeps its own maximum and sum of exponentials while its logits are in L1; they are       \
+     * combined in group order, so the result does not depend on which thread ran which group. */                \
+    void packed_linear_greedy_##SUF(const T *x, int64_t x_stride, const T *w, int64_t M, int64_t N, int64_t K,   \
+                                    int64_t vocab, int64_t *ids, float *logprobs, int nthreads) {                \
+        int64_t groups = ((N + PANEL - 1) / PANEL + panels_of_decode_tile(M) - 1) / panels_of_decode_tile(M);    \
+        greedy_groups greedy = {.groups = groups, .vocab = vocab < N ? vocab : N};                               \
+        greedy.max = (float *)malloc(sizeof(float) * 2 * 16 * groups);                                           \
+        greedy.sum = greedy.max + 16 * groups;                                                                   \
+        greedy.id = (int32_t *)malloc(sizeof(int32_t) * 2 * 16 * groups);                                        \
+        greedy.nan_id = greedy.id + 16 * groups;                                                                 \
+        packed_matmul_##SUF(x, x_stride, w, NULL, NULL, M, N, K, nthreads, &greedy);                             \
+        greedy_combine(&greedy, M, ids, logprobs);                                                               \
+        free(greedy.max);                                                                                        \
+        free(greedy.id);                                                                                         \
     }
 
 DEFINE_PACKED_LINEAR(f32, float)
@@ -1262,7 +1392,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                 }                                                                                                \
                 pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
                 team_wait(&barrier, nth, &sense);                                                                \
-                packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth);                    \
+                packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth, NULL);              \
                 team_wait(&barrier, nth, &sense);                                                                \
                 decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], nthreads);             \
                 int whole_seqs = plan.kv_per_task == nkv && plan.splits == 1; /* a task is a whole sequence */   \
@@ -1286,7 +1416,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                 }                                                                                                \
                 pack_tiles_##SUF(attn, q, q, a, M, tid, nth);                                                    \
                 team_wait(&barrier, nth, &sense);                                                                \
-                packed_groups_##SUF(a, o_w, o_b, h, M, hidden, q, next_group + 1, nth);                          \
+                packed_groups_##SUF(a, o_w, o_b, h, M, hidden, q, next_group + 1, nth, NULL);                    \
                 team_wait(&barrier, nth, &sense);                                                                \
                 for (int64_t i = 0; i < nmine; i++) { /* residual += h; x = norm(residual) */                    \
                     int64_t r = mine[i];                                                                         \
@@ -1296,13 +1426,13 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                 pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden, next_group + 2,      \
-                                    nth);                                                                        \
+                                    nth, NULL);                                                                  \
                 team_wait(&barrier, nth, &sense);                                                                \
                 for (int64_t i = 0; i < nmine; i++)                                                              \
                     silu_and_mul_row16_##SUF(gate_up + mine[i] * 2 * inter, act + mine[i] * inter, inter);       \
                 pack_tiles_##SUF(act, inter, inter, a, M, tid, nth);                                             \
                 team_wait(&barrier, nth, &sense);                                                                \
-                packed_groups_##SUF(a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth);                \
+                packed_groups_##SUF(a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth, NULL);          \
                 team_wait(&barrier, nth, &sense);                                                                \
             }                                                                                                    \
         }                                                                                                        \
@@ -1337,5 +1467,7 @@ DEFINE_PACKED_STUBS(f32, float)
 DEFINE_PACKED_STUBS(bf16, bf16_t)
 void decode_layers_f32(void) { abort(); }
 void decode_layers_bf16(void) { abort(); }
+void packed_linear_greedy_f32(void) { abort(); }
+void packed_linear_greedy_bf16(void) { abort(); }
 int linear_available(void) { return 0; }
 #endif

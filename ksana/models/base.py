@@ -46,6 +46,11 @@ class CausalLM(torch.nn.Module):
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
         raise NotImplementedError
 
+    def compute_greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
+        """Greedy decoding's token and log-probability per row, where the model's kernels get them without the
+        logits (what the sampler's greedy fast path gives on ``compute_logits``); None: use the logits."""
+        return None
+
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint tensor name -> destination, for every tensor the model needs."""
         raise NotImplementedError

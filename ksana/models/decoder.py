@@ -448,6 +448,13 @@ class DecoderForCausalLM(CausalLM):
         hidden = self.ops.embedding(local.masked_fill(outside, 0), self.embed_weight)
         return self.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0).contiguous())
 
+    def compute_greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
+        """The fused lm_head and greedy pick (the native CPU kernels); not when the vocabulary is split across
+        tensor-parallel ranks, whose logits are gathered first."""
+        if self.ops.lm_head_greedy is None or self.all_gather is not None:
+            return None
+        return self.ops.lm_head_greedy(hidden, self.lm_head_weight, self.shape.vocab_size)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.ops.lm_head(hidden, self.lm_head_weight).float()
         if self.all_gather is None:

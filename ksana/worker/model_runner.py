@@ -27,7 +27,7 @@ from kernels.dispatch import get_ops
 from ksana.cache.remote_loading import RemoteKVStore
 from ksana.worker.attention_metadata import AttentionMetadata
 from ksana.worker.kv_cache import KVCache
-from ksana.worker.sampler import Sampler, SamplingRow
+from ksana.worker.sampler import Sampler, SamplingRow, plain_greedy
 
 
 class ModelRunner:
@@ -89,9 +89,20 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
             if not sample_rows:
                 return {}, StepTimings(prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
-            logits = self.model.compute_logits(hidden if last_index is None else hidden[last_index])
-            t2 = time.perf_counter()
-            sampled = self.sample(logits, rows if last_index is None else [rows[i] for i in sample_rows], previous)
+            hidden_rows = hidden if last_index is None else hidden[last_index]
+            rows_sampled = rows if last_index is None else [rows[i] for i in sample_rows]
+            # Plain greedy rows straight from the lm_head where the kernels fuse the two (no [N, vocab] logits).
+            greedy = (self.model.compute_greedy(hidden_rows)
+                      if all(plain_greedy(row.sampling_params, row.banned_token_ids) for row in rows_sampled)
+                      else None)
+            if greedy is None:
+                logits = self.model.compute_logits(hidden_rows)
+                t2 = time.perf_counter()
+                sampled = self.sample(logits, rows_sampled, previous)
+            else:
+                t2 = time.perf_counter()
+                sampled = {row.request_id: SampledToken(token_id, logprob, None)
+                           for row, token_id, logprob in zip(rows_sampled, *greedy, strict=True)}
         t3 = time.perf_counter()
         return sampled, StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
 

@@ -36,6 +36,12 @@ class SamplingRow:
         return not self.params.is_greedy or self.params.has_penalties or len(self.banned_token_ids) > 0
 
 
+def plain_greedy(params: SamplingParams, banned_token_ids: Sequence[int]) -> bool:
+    """Greedy on the raw logits and nothing else asked (no penalties, bans or top logprobs): the fast path, which a
+    backend may take straight from the lm_head (``CausalLM.compute_greedy``)."""
+    return params.is_greedy and not params.has_penalties and not banned_token_ids and params.logprobs is None
+
+
 @attrs.frozen
 class SamplerOutput:
     token_ids: list[int]
@@ -90,9 +96,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
-        if self.greedy_logprobs is not None and not any(
-            row.needs_processing or row.params.logprobs is not None for row in rows
-        ):
+        if self.greedy_logprobs is not None and all(plain_greedy(row.params, row.banned_token_ids) for row in rows):
             fast = self.greedy_logprobs(logits)
             if fast is not None:
                 return SamplerOutput(token_ids=fast[0], logprobs=fast[1], top_logprobs=[None] * len(rows))

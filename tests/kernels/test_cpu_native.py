@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -316,6 +317,46 @@ def test_packed_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, o
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         else:  # float32 accumulation, one rounding to bfloat16 at the end
             torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("vocab", "out_features", "in_features"), [(1003, 1003, 64), (1000, 1040, 37), (9, 9, 16)])
+def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(native: NativeCPUOps, dtype: torch.dtype,
+                                                                       vocab: int, out_features: int,
+                                                                       in_features: int) -> None:
+    """Every decode-tile row count (1-4 panels a group), a vocabulary with a tail and one short of the weight's
+    rows (padding columns ignored), strided rows, a tie (the first column wins), and rows whose logits hold a NaN,
+    are all -inf, or hold +inf: the same token as ``greedy_logprobs`` on ``linear``'s logits (bfloat16 logits
+    rounded as they are stored), the same log-probability to float32 rounding."""
+    if not native.has_linear:  # no packed weights on this CPU: the model keeps the logits path
+        assert native.lm_head_greedy(torch.randn(2, in_features), torch.randn(vocab, in_features), vocab) is None
+        return
+    torch.manual_seed(vocab + in_features)
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
+    weight[vocab // 2 + 1] = weight[vocab // 2]  # two equal logits in every row
+    weight[vocab // 2] *= 4  # ... made the maximum in most rows by scaling them up together
+    weight[vocab // 2 + 1] = weight[vocab // 2]
+    packed = native.pack_weight(weight)
+    tied_rows = 0
+    for rows in range(1, 17):
+        wide = torch.randn(rows, in_features + 3).to(dtype)
+        x = wide[:, 1 : 1 + in_features]
+        if rows >= 4:
+            x[1, 0] = float("nan")  # every logit NaN: the first column, logprob NaN
+            x[2] = 0.0
+            x[3] = float("inf")  # logits of both signs of infinity (and NaN where a weight is 0): as the logits say
+        ids, logprobs = native.lm_head_greedy(x, packed, vocab, min_rows=1)
+        logits = native.linear(x, packed).float()[:, :vocab].contiguous()
+        expected_ids, expected_logprobs = native.greedy_logprobs(logits)
+        assert ids == expected_ids
+        assert [math.isnan(v) for v in logprobs] == [math.isnan(v) for v in expected_logprobs]
+        finite = [i for i, v in enumerate(expected_logprobs) if not math.isnan(v)]
+        assert [logprobs[i] for i in finite] == pytest.approx([expected_logprobs[i] for i in finite], abs=1e-5)
+        tied_rows += ids.count(vocab // 2)
+    assert tied_rows > 0  # the tie was the maximum somewhere
+    assert native.lm_head_greedy(torch.randn(17, in_features).to(dtype), packed, vocab) is None  # past one tile
+    assert native.lm_head_greedy(torch.randn(7, in_features).to(dtype), packed, vocab) is None  # the logits path
+    assert native.lm_head_greedy(torch.randn(8, in_features).to(dtype), packed, vocab) is not None
 
 
 def test_packed_linear_edges(native: NativeCPUOps) -> None:

@@ -1,4 +1,5 @@
-"""ModelRunner's batch preparation: the flat tokens, positions and attention metadata of a step's rows."""
+"""ModelRunner: a step's batch preparation (the flat tokens, positions and attention metadata of its rows) and
+where its greedy rows' tokens come from."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import attrs
 import pytest
 import torch
 
-from events.messages import PLACEHOLDER_TOKEN, ScheduledRow
+from events.messages import PLACEHOLDER_TOKEN, ScheduledRow, StepPlan
+from ksana.models import load_model
+from ksana.sampling_params import SamplingParams
+from ksana.worker.kv_cache import KVCache
 from ksana.worker.model_runner import ModelRunner
+from tests.model_factory import make_checkpoint
 
 BLOCK = 4
 
@@ -94,3 +99,40 @@ def test_a_placeholder_the_previous_step_did_not_sample_is_a_clear_error():
     with pytest.raises(RuntimeError, match="request b: its token is a placeholder"):
         runner().prepare_inputs([row("a", [PLACEHOLDER_TOKEN], 9, [7, 3, 5]), row("b", [PLACEHOLDER_TOKEN], 0, [2])],
                                 {"a": 501})
+
+
+def test_plain_greedy_rows_take_the_fused_lm_head_and_get_the_logits_paths_tokens(tmp_path):
+    """Nine plain greedy decode rows (the fused path's smallest batch): the tokens the logits path gives, and the
+    log-probabilities to float32 rounding; a row asking for top logprobs sends the whole step through the logits."""
+    model = load_model(make_checkpoint(tmp_path, "llama"), dtype=torch.float32)
+    fused_ops, logits_ops = model.ops, attrs.evolve(model.ops, lm_head_greedy=None)
+    calls = []
+
+    def counted(*args, **kwargs):
+        result = fused_ops.lm_head_greedy(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    def step(ops, params):
+        model.ops = ops
+        cache = KVCache.allocate(model.shape, 32, BLOCK, torch.float32, "cpu")
+        rows = tuple(ScheduledRow(request_id=str(i), token_ids=(7 + 11 * i,), start_position=i,
+                                  block_ids=(3 * i, 3 * i + 1, 3 * i + 2), do_sample=True, sampling_params=params[i])
+                     for i in range(9))
+        sampled, _ = ModelRunner(model, cache).execute(StepPlan(step_id=0, rows=rows))
+        return [sampled[str(i)] for i in range(9)]
+
+    greedy = [SamplingParams(temperature=0.0)] * 9
+    expected = step(logits_ops, greedy)
+    if fused_ops.lm_head_greedy is None:  # no fused kernel on this CPU: the logits path only
+        assert step(fused_ops, greedy) == expected
+        return
+    fused = step(attrs.evolve(fused_ops, lm_head_greedy=counted), greedy)
+    assert calls == [True]
+    assert [t.token_id for t in fused] == [t.token_id for t in expected]
+    assert [t.logprob for t in fused] == pytest.approx([t.logprob for t in expected], abs=1e-5)
+    calls.clear()
+    asks_top = [*greedy[:8], SamplingParams(temperature=0.0, logprobs=2)]
+    with_top = step(attrs.evolve(fused_ops, lm_head_greedy=counted), asks_top)
+    assert calls == [] and with_top[8].top_logprobs is not None
+    assert [t.token_id for t in with_top] == [t.token_id for t in expected]
