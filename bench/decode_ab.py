@@ -65,12 +65,14 @@ def head_source(directory: Path) -> Path:
 
 
 def _pairs(calls: list[tuple[str, float]]) -> list[float]:
-    """b's time over a's for each neighbouring pair of calls (the calls alternate, so each pair holds one of
-    each)."""
+    """b's time over a's for each neighbouring pair of calls. The builds take turns on every fused call, and only
+    the batch's own calls are timed; a pair that is not one of each (a call of another size between them) is
+    left out."""
     ratios = []
     for first, second in zip(calls[0::2], calls[1::2], strict=False):
         times = dict((first, second))
-        ratios.append(times["b"] / times["a"])
+        if len(times) == 2:
+            ratios.append(times["b"] / times["a"])
     return ratios
 
 
