@@ -38,6 +38,18 @@ def test_ceilings_are_measured_and_positive(report):
     assert c["matmul"]["n"] == SETTINGS["gemm_n"]
 
 
+def test_the_read_ceiling_is_the_fastest_reader_the_engines_one_row_stream_among_them(report):
+    for run in report["ceiling_runs"]:
+        read = run["read_bandwidth"]
+        rates = read["by_reader_bytes_per_s"]
+        assert set(rates) == {"sum", "mv", "linear 1 row"}
+        assert read["bytes_per_s"] == max(rates.values()) and rates[read["reader"]] == read["bytes_per_s"]
+        # The kernel's reading is the one-row streamed matmul of the same run, not another measurement.
+        assert rates["linear 1 row"] == run["streamed_matmul"]["1"]["bytes_per_s"]
+    kept = report["ceilings"]["read_bandwidth"]
+    assert kept["measured_bytes_per_s"] == max(r["read_bandwidth"]["bytes_per_s"] for r in report["ceiling_runs"])
+
+
 def test_the_projection_kernel_is_timed_streaming_at_every_batchs_row_count(report):
     streamed = report["ceilings"]["streamed_matmul"]
     assert sorted(streamed) == sorted(str(b) for b in SETTINGS["batches"])
@@ -167,3 +179,10 @@ def test_report_is_written_as_json_with_its_keys(bench, report, tmp_path):
     text = bench.format_report(report)
     for heading in ("ceilings (best of 2", "decode, float32", "prefill", "engine overhead"):
         assert heading in text
+
+
+def test_the_one_row_reader_is_measured_even_where_no_batch_has_one_row(bench):
+    settings = bench.Settings(**{**SETTINGS, "batches": (3,), "bandwidth_mib": 8, "gemm_n": 64, "ceiling_repeats": 1})
+    ceilings = bench.measure_ceilings(settings, 32)
+    assert sorted(ceilings["streamed_matmul"]) == ["3"]
+    assert ceilings["read_bandwidth"]["by_reader_bytes_per_s"]["linear 1 row"] > 0
