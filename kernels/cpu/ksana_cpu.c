@@ -877,7 +877,7 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  * input rows x NP panels keeps MR * NP float32 accumulators in registers, fed by a broadcast of x[m, k] per row:
  * no cross-lane sums, and each weight vector is loaded once for all the tile's rows. A weight panel is one
  * contiguous stream, which the tiles prefetch ahead (into L1 4 KiB ahead, measured 3-10% faster than 8 KiB at
- * 1-16 rows; from 8 decode rows into L2, 8 KiB ahead: see DEFINE_PACKED_TILE).
+ * 1-16 rows; from 8 decode rows 8 KiB ahead into L2 and 2 KiB into L1: see DEFINE_PACKED_TILE).
  * Decode-sized inputs (up to 16 rows) run one tile of all rows per panel group, so the weights are read exactly
  * once; larger inputs (prefill) run tiles of 8 rows x 3 panels, the panels' K x 48 block staying in L2 while
  * every row tile passes over it. The input is transposed first into [K][stride] blocks (16 rows, or 8 per row
@@ -900,8 +900,9 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
 #define ROW_TILE 8                     /* input rows per block of the packed input (see pack_row) */
 #define GEMM_NP 3                      /* panels per tile above DECODE_ROWS */
 #define PACKED_PREFETCH 1024           /* elements ahead in a panel's stream into L1 (4 KiB of float32) */
-#define PACKED_PREFETCH_L2 2048        /* elements ahead into L2 only (decode tiles of 8 rows and more) */
-enum { PREFETCH_NONE, PREFETCH_L1, PREFETCH_L2 }; /* how a tile prefetches its panels' streams */
+#define PACKED_PREFETCH_L2 2048        /* elements ahead into L2 (decode tiles of 8 rows and more)... */
+#define PACKED_PREFETCH_NEAR 512       /* ...which also fetch this far ahead into L1 */
+enum { PREFETCH_NONE, PREFETCH_L1, PREFETCH_L1_L2 }; /* how a tile prefetches its panels' streams */
 #define LINEAR_PARALLEL_MIN (1 << 18)  /* M * N * K below this stays on the calling thread */
 
 static inline __m512 w16_f32(const float *p) { return _mm512_loadu_ps(p); }
@@ -967,10 +968,11 @@ static inline void transpose16x16(__m512 r[16]) {
 
 /* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8], 8 being
  * ROW_TILE) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s
- * columns. `prefetch`: how to fetch each panel's stream ahead: PACKED_PREFETCH elements into L1, or
- * PACKED_PREFETCH_L2 into L2 only, which decode tiles of 8 rows and more take: their 8-16 FMAs per 64-byte line
- * leave the stream less room than 1-7 rows do, and a T1 prefetch twice as far ahead streamed a 512 MiB weight
- * 2-4% faster at 16 rows and 7% at 8 (slower from 2 to 4 rows, and for the gemm tiles at 32-64 rows). */
+ * columns. `prefetch`: how to fetch each panel's stream ahead: PACKED_PREFETCH elements into L1, or (decode
+ * tiles of 8 rows and more) PACKED_PREFETCH_L2 into L2 and PACKED_PREFETCH_NEAR into L1. With 8-16 FMAs per
+ * 64-byte line the stream gets less of the core than at 1-7 rows; the two distances streamed a 512 MiB weight
+ * 2-3% faster than the one at 16 rows and 4-5% at 8 (one T1 alone: 2-4% and 7%, but slower at 2-4 rows, and for
+ * the gemm tiles at 32-64 rows, which keep the one). */
 #define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                       \
     static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,        \
                                                 const T *bias, T *out, int64_t ldo, int rows,                    \
@@ -983,10 +985,12 @@ static inline void transpose16x16(__m512 r[16]) {
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
                 const T *wk = w + p * panel_len + k * PANEL;                                                     \
                 b[p] = w16_##SUF(wk);                                                                            \
-                if (prefetch == PREFETCH_L2)                                                                     \
+                if (prefetch == PREFETCH_L1_L2) {                                                                \
                     _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L2), _MM_HINT_T1);                          \
-                else if (prefetch == PREFETCH_L1)                                                                \
+                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH_NEAR), _MM_HINT_T0);                        \
+                } else if (prefetch == PREFETCH_L1) {                                                            \
                     _mm_prefetch((const char *)(wk + PACKED_PREFETCH), _MM_HINT_T0);                             \
+                }                                                                                                \
             }                                                                                                    \
             _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                              \
                 __m512 x = _mm512_set1_ps(a[MR > 8 ? m / 8 * 8 * K + k * 8 + m % 8 : k * MR + m]);               \
@@ -1201,7 +1205,7 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
         int decode = M <= DECODE_ROWS;                                                                           \
         int64_t row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;                                            \
         int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                    \
-        int fetch = M >= ROW_TILE ? PREFETCH_L2 : PREFETCH_L1; /* a decode tile's */                             \
+        int fetch = M >= ROW_TILE ? PREFETCH_L1_L2 : PREFETCH_L1; /* a decode tile's */                          \
         int64_t groups = (panels + np - 1) / np;                                                                 \
         for (;;) {                                                                                               \
             int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
