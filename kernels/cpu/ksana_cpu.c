@@ -135,6 +135,9 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
 /* The first query head of each KV group prefetches its K (then V) rows this many positions ahead into L2: blocks
  * sit at random addresses, so the hardware prefetcher restarts at every block (10-20% faster from memory). */
 #define DECODE_PREFETCH 16
+/* The AVX-512 task also fetches them this many positions ahead into L1: 0.98 of the step at batch 16, context 512,
+ * 0.99 at context 128 (bench/decode_ab.py), as two distances did for the packed matmul's decode tiles. */
+#define DECODE_PREFETCH_NEAR 4
 #define DEFINE_DECODE_AVX2(SUF, T)                                                                              \
     static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache, const int64_t *kv_rows, \
                                        int64_t n, int64_t group, int64_t head_group, int64_t dim, float scale,  \
@@ -344,8 +347,10 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                 r[b][c] = _mm512_maskz_loadu_ps(m[c], acc + b * dim + 16 * c);                                   \
         for (int64_t j = j0; j < j1; j++) {                                                                      \
             if (fetch && j + DECODE_PREFETCH < n)                                                                \
-                for (int64_t d = 0; d < 16 * chunks; d += 64 / (int64_t)sizeof(T))                               \
+                for (int64_t d = 0; d < 16 * chunks; d += 64 / (int64_t)sizeof(T)) {                             \
                     _mm_prefetch((const char *)(vc + kv_rows[j + DECODE_PREFETCH] + d), _MM_HINT_T1);            \
+                    _mm_prefetch((const char *)(vc + kv_rows[j + DECODE_PREFETCH_NEAR] + d), _MM_HINT_T0);       \
+                }                                                                                                \
             const T *v = vc + kv_rows[j];                                                                        \
             __m512 x0 = load16m_##SUF(v, m[0]), x1 = load16m_##SUF(v + 16, m[1]);                                \
             __m512 x2 = load16m_##SUF(v + 32, m[2]), x3 = load16m_##SUF(v + 48, m[3]);                           \
@@ -386,9 +391,13 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
                 for (; i + 4 <= t1; i += 4) {                                                                    \
                     if (g0 % head_group == 0 && i + DECODE_PREFETCH + 4 <= n) /* the KV head's first pass */     \
                         for (int p = 0; p < 4; p++)                                                              \
-                            for (int64_t d = 0; d < dim; d += 64 / (int64_t)sizeof(T))                           \
-                                _mm_prefetch((const char *)(kc + kv_rows[i + DECODE_PREFETCH + p] + d),          \
+                            for (int64_t d = 0; d < dim; d += 64 / (int64_t)sizeof(T)) {                         \
+                                const T *row = kc + d;                                                           \
+                                _mm_prefetch((const char *)(row + kv_rows[i + DECODE_PREFETCH + p]),             \
                                              _MM_HINT_T1);                                                       \
+                                _mm_prefetch((const char *)(row + kv_rows[i + DECODE_PREFETCH_NEAR + p]),        \
+                                             _MM_HINT_T0);                                                       \
+                            }                                                                                    \
                     switch (qb) {                                                                                \
                     case 1: qk_block_##SUF##_1(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
                     case 2: qk_block_##SUF##_2(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
