@@ -885,8 +885,7 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  * w[16p .. 16p+15, k] at row k (zeros past N). Every k then gives one 16-wide vector of weights, and a tile of MR
  * input rows x NP panels keeps MR * NP float32 accumulators in registers, fed by a broadcast of x[m, k] per row:
  * no cross-lane sums, and each weight vector is loaded once for all the tile's rows. A weight panel is one
- * contiguous stream, which the tiles prefetch ahead (into L1 4 KiB ahead, measured 3-10% faster than 8 KiB at
- * 1-16 rows; from 8 decode rows 8 KiB ahead into L2 and 2 KiB into L1: see DEFINE_PACKED_TILE).
+ * contiguous stream, which the tiles prefetch ahead (2 KiB into L1 and 8 KiB into L2: see DEFINE_PACKED_TILE).
  * Decode-sized inputs (up to 16 rows) run one tile of all rows per panel group, so the weights are read exactly
  * once; larger inputs (prefill) run tiles of 8 rows x 3 panels, the panels' K x 48 block staying in L2 while
  * every row tile passes over it. The input is transposed first into [K][stride] blocks (16 rows, or 8 per row
@@ -908,10 +907,8 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
 #define GEMM_MR 8                      /* input rows per tile above DECODE_ROWS */
 #define ROW_TILE 8                     /* input rows per block of the packed input (see pack_row) */
 #define GEMM_NP 3                      /* panels per tile above DECODE_ROWS */
-#define PACKED_PREFETCH 1024           /* elements ahead in a panel's stream into L1 (4 KiB of float32) */
-#define PACKED_PREFETCH_L2 2048        /* elements ahead into L2 (decode tiles of 8 rows and more)... */
-#define PACKED_PREFETCH_NEAR 512       /* ...which also fetch this far ahead into L1 */
-enum { PREFETCH_NONE, PREFETCH_L1, PREFETCH_L1_L2 }; /* how a tile prefetches its panels' streams */
+#define PACKED_PREFETCH_L1 512         /* elements ahead in a panel's stream into L1 (2 KiB of float32)... */
+#define PACKED_PREFETCH_L2 2048        /* ...and into L2 (8 KiB) */
 #define LINEAR_PARALLEL_MIN (1 << 18)  /* M * N * K below this stays on the calling thread */
 
 static inline __m512 w16_f32(const float *p) { return _mm512_loadu_ps(p); }
@@ -977,11 +974,10 @@ static inline void transpose16x16(__m512 r[16]) {
 
 /* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8], 8 being
  * ROW_TILE) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s
- * columns. `prefetch`: how to fetch each panel's stream ahead: PACKED_PREFETCH elements into L1, or (decode
- * tiles of 8 rows and more) PACKED_PREFETCH_L2 into L2 and PACKED_PREFETCH_NEAR into L1. With 8-16 FMAs per
- * 64-byte line the stream gets less of the core than at 1-7 rows; the two distances streamed a 512 MiB weight
- * 2-3% faster than the one at 16 rows and 4-5% at 8 (one T1 alone: 2-4% and 7%, but slower at 2-4 rows, and for
- * the gemm tiles at 32-64 rows, which keep the one). */
+ * columns. `prefetch`: fetch each panel's stream ahead, PACKED_PREFETCH_L1 elements into L1 and
+ * PACKED_PREFETCH_L2 into L2. Against one T0 prefetch 4 KiB ahead, the two streamed a 512 MiB weight 2-3% faster
+ * at 1 row, 5-6% at 2-6 rows and 4-5% at 16 (after a T1 alone, 8 KiB ahead, had: 2-4% faster from 8 rows, slower
+ * at 2-4), and the same at 32-64 rows (gemm tiles). */
 #define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                       \
     static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,        \
                                                 const T *bias, T *out, int64_t ldo, int rows,                    \
@@ -994,11 +990,9 @@ static inline void transpose16x16(__m512 r[16]) {
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
                 const T *wk = w + p * panel_len + k * PANEL;                                                     \
                 b[p] = w16_##SUF(wk);                                                                            \
-                if (prefetch == PREFETCH_L1_L2) {                                                                \
+                if (prefetch) {                                                                                  \
+                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L1), _MM_HINT_T0);                          \
                     _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L2), _MM_HINT_T1);                          \
-                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH_NEAR), _MM_HINT_T0);                        \
-                } else if (prefetch == PREFETCH_L1) {                                                            \
-                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH), _MM_HINT_T0);                             \
                 }                                                                                                \
             }                                                                                                    \
             _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++) {                                              \
@@ -1214,7 +1208,6 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
         int decode = M <= DECODE_ROWS;                                                                           \
         int64_t row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;                                            \
         int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                    \
-        int fetch = M >= ROW_TILE ? PREFETCH_L1_L2 : PREFETCH_L1; /* a decode tile's */                          \
         int64_t groups = (panels + np - 1) / np;                                                                 \
         for (;;) {                                                                                               \
             int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
@@ -1233,12 +1226,12 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
                     T *o = greedy ? block : out + p0 * PANEL;                                                    \
                     int64_t ldo = greedy ? 4 * PANEL : N;                                                        \
                     if (gp == np)                                                                                \
-                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, o, ldo, (int)M, mask, fetch);   \
+                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, o, ldo, (int)M, mask, 1);       \
                     else                                                                                         \
                         for (int i = 0; i < gp; i++)                                                             \
                             packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,                 \
                                                              bg ? bg + i * PANEL : NULL, o + i * PANEL, ldo,     \
-                                                             (int)M, i == gp - 1 ? mask : 0xffff, fetch);        \
+                                                             (int)M, i == gp - 1 ? mask : 0xffff, 1);            \
                     if (greedy)                                                                                  \
                         greedy_block_##SUF(block, (int)M, p0 * PANEL, greedy->vocab - p0 * PANEL < gp * PANEL    \
                                            ? greedy->vocab - p0 * PANEL : gp * PANEL, greedy, g);                \
@@ -1246,8 +1239,7 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
                     for (int64_t t = 0; t < row_tiles; t++) {                                                    \
                         int rows = M - t * GEMM_MR < GEMM_MR ? (int)(M - t * GEMM_MR) : GEMM_MR;                 \
                         packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, wg, panel_len, K, bg,                   \
-                                                    out + t * GEMM_MR * N + p0 * PANEL, N, rows, mask,           \
-                                                    t == 0 ? PREFETCH_L1 : PREFETCH_NONE);                       \
+                                                    out + t * GEMM_MR * N + p0 * PANEL, N, rows, mask, t == 0);  \
                     }                                                                                            \
                 }                                                                                                \
             }                                                                                                    \
