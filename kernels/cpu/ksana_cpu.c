@@ -1040,8 +1040,13 @@ static inline void transpose16x16(__m512 r[16]) {
         NULL, packed_tile_##SUF##_8_1, packed_tile_##SUF##_8_2, packed_tile_##SUF##_8_3};
 
 static inline int panels_of_decode_tile(int64_t rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
+/* Panels per group of packed_groups: the decode tile's up to DECODE_ROWS rows, the gemm tiles' above. */
+static inline int panels_per_group(int64_t rows) {
+    return rows <= DECODE_ROWS ? panels_of_decode_tile(rows) : GEMM_NP;
+}
 
-/* What packed_linear_greedy's panel groups found, per group, the rows in the 16 lanes (see greedy_block). */
+/* What packed_linear_greedy's panel groups found, per slice of 16 rows and group, the rows in the 16 lanes (see
+ * greedy_block): slice s's group g at s * groups + g. */
 typedef struct {
     int64_t groups, vocab;
     float *max, *sum;      /* the group's maximum logit; sum(exp(logit - that maximum)) over the group */
@@ -1050,25 +1055,27 @@ typedef struct {
 
 /* Each row's token and log-probability from its groups, in group order, as greedy_logprobs would give them: the
  * first NaN wins (logprob NaN); else the first group holding the maximum m gives the token, and its log_softmax
- * is -log(sum over groups of sum_g * e^(max_g - m)) (NaN where m is infinite). */
-static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *ids, float *logprobs) {
+ * is -log(sum over groups of sum_g * e^(max_g - m)) (NaN where m is infinite). `slice`'s rows, 16 at most. */
+static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t rows, int64_t *ids,
+                           float *logprobs) {
+    const int64_t base = slice * greedy->groups;
     __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
     __m512i id = _mm512_set1_epi32(-1), nan_id = id;
     __mmask16 nan = 0;
     for (int64_t g = 0; g < greedy->groups; g++) {
-        __m512i group_nan = _mm512_loadu_si512(greedy->nan_id + 16 * g);
+        __m512i group_nan = _mm512_loadu_si512(greedy->nan_id + 16 * (base + g));
         __mmask16 first_nan = _mm512_cmpneq_epi32_mask(group_nan, _mm512_set1_epi32(-1)) & ~nan;
         nan_id = _mm512_mask_mov_epi32(nan_id, first_nan, group_nan), nan |= first_nan;
-        __m512 group_max = _mm512_loadu_ps(greedy->max + 16 * g);
+        __m512 group_max = _mm512_loadu_ps(greedy->max + 16 * (base + g));
         __mmask16 above = _mm512_cmp_ps_mask(group_max, m, _CMP_GT_OQ);
         m = _mm512_mask_mov_ps(m, above, group_max);
-        id = _mm512_mask_mov_epi32(id, above, _mm512_loadu_si512(greedy->id + 16 * g));
+        id = _mm512_mask_mov_epi32(id, above, _mm512_loadu_si512(greedy->id + 16 * (base + g)));
     }
     for (int64_t g = 0; g < greedy->groups; g++) {
-        __m512 group_max = _mm512_loadu_ps(greedy->max + 16 * g);
+        __m512 group_max = _mm512_loadu_ps(greedy->max + 16 * (base + g));
         __mmask16 some = _mm512_cmp_ps_mask(group_max, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
         __m512 scale = exp16_nonpositive(_mm512_sub_ps(group_max, m));
-        total = _mm512_mask3_fmadd_ps(_mm512_loadu_ps(greedy->sum + 16 * g), scale, total, some);
+        total = _mm512_mask3_fmadd_ps(_mm512_loadu_ps(greedy->sum + 16 * (base + g)), scale, total, some);
     }
     float lane_max[16], lane_total[16];
     int32_t lane_id[16], lane_nan[16];
@@ -1156,13 +1163,13 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
         silu_and_mul_tail_##SUF(g, o, j, d);                                                                     \
     }                                                                                                            \
                                                                                                                  \
-    /* Greedy decoding's part of one panel group of the lm_head: for each row, the group's maximum over columns  \
-     * [col0, col0 + width) of `block` (rows 4 * PANEL apart), the first column holding it, the first NaN's      \
-     * column, and sum(exp(x - the group's maximum)), into `greedy` at group g (see packed_linear_greedy). The    \
+    /* Greedy decoding's part of one panel group of the lm_head: for each of up to 16 rows, the group's maximum  \
+     * over columns [col0, col0 + width) of `block` (rows `ld` apart), the first column holding it, the first     \
+     * NaN's column, and sum(exp(x - the group's maximum)), into `greedy` at `index` (see greedy_groups). The     \
      * rows go in the lanes: 16 columns at a time are transposed, so every step is one vector op for all rows.   \
      * Columns are taken in order, so the first maximum and the first NaN are the first ones. */                 \
-    static void greedy_block_##SUF(const T *block, int rows, int64_t col0, int64_t width, greedy_groups *greedy, \
-                                   int64_t g) {                                                                  \
+    static void greedy_block_##SUF(const T *block, int64_t ld, int rows, int64_t col0, int64_t width,           \
+                                   greedy_groups *greedy, int64_t index) {                                       \
         __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();                                         \
         __m512i id = _mm512_set1_epi32(-1), nan_id = id;                                                         \
         __mmask16 nan = 0;                                                                                       \
@@ -1170,7 +1177,7 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
             int cols = width - c0 < PANEL ? (int)(width - c0) : PANEL;                                           \
             __m512 col[16];                                                                                      \
             for (int r = 0; r < 16; r++)                                                                         \
-                col[r] = r < rows ? load16_##SUF(block + r * 4 * PANEL + c0) : _mm512_setzero_ps();              \
+                col[r] = r < rows ? load16_##SUF(block + r * ld + c0) : _mm512_setzero_ps();                     \
             transpose16x16(col);                                                                                 \
             __m512 before = m;                                                                                   \
             for (int c = 0; c < cols; c++) {                                                                     \
@@ -1188,8 +1195,9 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
             for (int c = 0; c < cols; c++)                                                                       \
                 sum = _mm512_mask_add_ps(sum, some, sum, exp16_nonpositive(_mm512_sub_ps(col[c], m)));           \
         }                                                                                                        \
-        _mm512_storeu_ps(greedy->max + 16 * g, m), _mm512_storeu_ps(greedy->sum + 16 * g, sum);                  \
-        _mm512_storeu_si512(greedy->id + 16 * g, id), _mm512_storeu_si512(greedy->nan_id + 16 * g, nan_id);      \
+        _mm512_storeu_ps(greedy->max + 16 * index, m), _mm512_storeu_ps(greedy->sum + 16 * index, sum);          \
+        _mm512_storeu_si512(greedy->id + 16 * index, id);                                                        \
+        _mm512_storeu_si512(greedy->nan_id + 16 * index, nan_id);                                                \
     }                                                                                                            \
                                                                                                                  \
     /* The matmul over packed input `a` (pack_row's layout, whole tiles) for the calling thread, which takes     \
@@ -1203,12 +1211,15 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
     static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
                                     int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
-        T block[DECODE_ROWS * 4 * PANEL]; /* greedy: a panel group's logits, rows 4 * PANEL apart */             \
         __mmask16 last_mask = (__mmask16)(N % PANEL ? (1u << (N % PANEL)) - 1u : 0xffffu);                       \
         int decode = M <= DECODE_ROWS;                                                                           \
         int64_t row_tiles = decode ? 1 : (M + GEMM_MR - 1) / GEMM_MR;                                            \
-        int np = decode ? panels_of_decode_tile(M) : GEMM_NP;                                                    \
+        int np = panels_per_group(M);                                                                            \
         int64_t groups = (panels + np - 1) / np;                                                                 \
+        /* greedy: a panel group's logits, rows ld apart (on the stack for a decode tile) */                     \
+        T small[DECODE_ROWS * 4 * PANEL];                                                                        \
+        T *block = greedy && !decode ? (T *)malloc(sizeof(T) * M * np * PANEL) : small;                          \
+        int64_t ld = greedy ? np * PANEL : N;                                                                    \
         for (;;) {                                                                                               \
             int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
             if (g0 >= groups) break;                                                                             \
@@ -1222,32 +1233,35 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
                 __mmask16 mask = p0 + gp == panels ? last_mask : (__mmask16)0xffff;                              \
                 const T *wg = w + p0 * panel_len;                                                                \
                 const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
-                if (decode) {                                                                                    \
-                    T *o = greedy ? block : out + p0 * PANEL;                                                    \
-                    int64_t ldo = greedy ? 4 * PANEL : N;                                                        \
-                    if (gp == np)                                                                                \
-                        packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, o, ldo, (int)M, mask, 1);       \
-                    else                                                                                         \
-                        for (int i = 0; i < gp; i++)                                                             \
-                            packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,                 \
-                                                             bg ? bg + i * PANEL : NULL, o + i * PANEL, ldo,     \
-                                                             (int)M, i == gp - 1 ? mask : 0xffff, 1);            \
-                    if (greedy)                                                                                  \
-                        greedy_block_##SUF(block, (int)M, p0 * PANEL, greedy->vocab - p0 * PANEL < gp * PANEL    \
-                                           ? greedy->vocab - p0 * PANEL : gp * PANEL, greedy, g);                \
+                T *o = greedy ? block : out + p0 * PANEL;                                                        \
+                if (decode && gp == np) {                                                                        \
+                    packed_decode_tiles_##SUF[M][1](a, wg, panel_len, K, bg, o, ld, (int)M, mask, 1);            \
+                } else if (decode) {                                                                             \
+                    for (int i = 0; i < gp; i++)                                                                 \
+                        packed_decode_tiles_##SUF[M][0](a, wg + i * panel_len, panel_len, K,                     \
+                                                         bg ? bg + i * PANEL : NULL, o + i * PANEL, ld, (int)M,  \
+                                                         i == gp - 1 ? mask : 0xffff, 1);                        \
                 } else {                                                                                         \
                     for (int64_t t = 0; t < row_tiles; t++) {                                                    \
                         int rows = M - t * GEMM_MR < GEMM_MR ? (int)(M - t * GEMM_MR) : GEMM_MR;                 \
                         packed_gemm_tiles_##SUF[gp](a + t * GEMM_MR * K, wg, panel_len, K, bg,                   \
-                                                    out + t * GEMM_MR * N + p0 * PANEL, N, rows, mask, t == 0);  \
+                                                    o + t * GEMM_MR * ld, ld, rows, mask, t == 0);               \
                     }                                                                                            \
+                }                                                                                                \
+                if (greedy) {                                                                                    \
+                    int64_t width = greedy->vocab - p0 * PANEL < gp * PANEL ? greedy->vocab - p0 * PANEL         \
+                                                                            : gp * PANEL;                        \
+                    for (int64_t r0 = 0; r0 < M; r0 += 16)                                                       \
+                        greedy_block_##SUF(block + r0 * ld, ld, M - r0 < 16 ? (int)(M - r0) : 16, p0 * PANEL,    \
+                                           width, greedy, r0 / 16 * groups + g);                                 \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
+        if (block != small) free(block);                                                                         \
     }                                                                                                            \
                                                                                                                  \
     /* The packing and the matmul of packed_linear; with `greedy`, no `out`: each panel group's logits go to     \
-     * greedy_block instead (decode tiles only). */                                                              \
+     * greedy_block instead. */                                                                                  \
     static void packed_matmul_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,  \
                                     int64_t N, int64_t K, int nthreads, greedy_groups *greedy) {                 \
         int64_t stride = M <= ROW_TILE ? M : ROW_TILE, row_tiles = (M + stride - 1) / stride;                    \
@@ -1279,21 +1293,23 @@ static void greedy_combine(const greedy_groups *greedy, int64_t rows, int64_t *i
         packed_matmul_##SUF(x, x_stride, w, bias, out, M, N, K, nthreads, NULL);                                 \
     }                                                                                                            \
                                                                                                                  \
-    /* Greedy decoding straight from the lm_head, without the [M, N] logits (M <= DECODE_ROWS): each row's       \
-     * first maximum over its first `vocab` logits (the first NaN if there is one) and log_softmax there, as     \
-     * greedy_logprobs gives them from the logits packed_linear writes (bf16 logits rounded as it stores them).  \
-     * Each panel group keeps its own maximum and sum of exponentials while its logits are in L1; they are       \
-     * combined in group order, so the result does not depend on which thread ran which group. */                \
+    /* Greedy decoding straight from the lm_head, without the [M, N] logits: each row's first maximum over its   \
+     * first `vocab` logits (the first NaN if there is one) and log_softmax there, as greedy_logprobs gives them \
+     * from the logits packed_linear writes (bf16 logits rounded as it stores them). Each panel group keeps its  \
+     * own maximum and sum of exponentials, 16 rows at a time, while its logits are in L1; they are combined in  \
+     * group order, so the result does not depend on which thread ran which group. */                           \
     void packed_linear_greedy_##SUF(const T *x, int64_t x_stride, const T *w, int64_t M, int64_t N, int64_t K,   \
                                     int64_t vocab, int64_t *ids, float *logprobs, int nthreads) {                \
-        int64_t groups = ((N + PANEL - 1) / PANEL + panels_of_decode_tile(M) - 1) / panels_of_decode_tile(M);    \
+        int64_t groups = ((N + PANEL - 1) / PANEL + panels_per_group(M) - 1) / panels_per_group(M);              \
+        int64_t slices = (M + 15) / 16, n = 16 * groups * slices;                                                \
         greedy_groups greedy = {.groups = groups, .vocab = vocab < N ? vocab : N};                               \
-        greedy.max = (float *)malloc(sizeof(float) * 2 * 16 * groups);                                           \
-        greedy.sum = greedy.max + 16 * groups;                                                                   \
-        greedy.id = (int32_t *)malloc(sizeof(int32_t) * 2 * 16 * groups);                                        \
-        greedy.nan_id = greedy.id + 16 * groups;                                                                 \
+        greedy.max = (float *)malloc(sizeof(float) * 2 * n);                                                     \
+        greedy.sum = greedy.max + n;                                                                             \
+        greedy.id = (int32_t *)malloc(sizeof(int32_t) * 2 * n);                                                  \
+        greedy.nan_id = greedy.id + n;                                                                           \
         packed_matmul_##SUF(x, x_stride, w, NULL, NULL, M, N, K, nthreads, &greedy);                             \
-        greedy_combine(&greedy, M, ids, logprobs);                                                               \
+        for (int64_t s = 0; s < slices; s++)                                                                     \
+            greedy_combine(&greedy, s, M - 16 * s < 16 ? M - 16 * s : 16, ids + 16 * s, logprobs + 16 * s);      \
         free(greedy.max);                                                                                        \
         free(greedy.id);                                                                                         \
     }

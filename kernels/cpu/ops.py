@@ -18,7 +18,6 @@ from kernels import activation, attention, norm, rotary
 from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
 from kernels.cpu.packed import PANEL, PackedWeight, packed_numel
 
-DECODE_ROWS = 16  # rows packed_linear_greedy takes (DECODE_ROWS in ksana_cpu.c: one decode tile per panel group)
 # Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
 # cost 0.26 ms more in the lm_head for 0.12 ms less sampling (one process, alternating step by step).
 FUSED_GREEDY_MIN_ROWS = 8
@@ -180,10 +179,8 @@ class NativeCPUOps:
         """Greedy decoding's token and log-probability per row of ``hidden @ weight.T`` over the first
         ``vocab_size`` columns, without the logits: what ``greedy_logprobs`` gives on ``linear``'s output, to float32
         rounding in the log-probability (see ``packed_linear_greedy`` in ksana_cpu.c). None where it does not apply
-        (a plain weight, fewer than ``min_rows`` or more rows than a decode tile, a layout the native matmul does
-        not take)."""
-        if not (isinstance(weight, PackedWeight) and hidden.dim() == 2
-                and max(min_rows, 1) <= hidden.shape[0] <= DECODE_ROWS
+        (a plain weight, fewer than ``min_rows`` rows, a layout the native matmul does not take)."""
+        if not (isinstance(weight, PackedWeight) and hidden.dim() == 2 and max(min_rows, 1) <= hidden.shape[0]
                 and hidden.dtype == weight.dtype and hidden.dtype in DTYPE_SUFFIX and hidden.stride(-1) == 1
                 and hidden.shape[-1] == weight.in_features and 0 < vocab_size <= weight.out_features):
             return None

@@ -324,10 +324,11 @@ def test_packed_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, o
 def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(native: NativeCPUOps, dtype: torch.dtype,
                                                                        vocab: int, out_features: int,
                                                                        in_features: int) -> None:
-    """Every decode-tile row count (1-4 panels a group), a vocabulary with a tail and one short of the weight's
-    rows (padding columns ignored), strided rows, a tie (the first column wins), and rows whose logits hold a NaN,
-    are all -inf, or hold +inf: the same token as ``greedy_logprobs`` on ``linear``'s logits (bfloat16 logits
-    rounded as they are stored), the same log-probability to float32 rounding."""
+    """Every decode-tile row count (1-4 panels a group), gemm tiles above 16 rows (whole and partial 16-row
+    slices and 8-row tiles), a vocabulary with a tail and one short of the weight's rows (padding columns ignored),
+    strided rows, a tie (the first column wins), and rows whose logits hold a NaN, are all -inf, or hold +inf: the
+    same token as ``greedy_logprobs`` on ``linear``'s logits (bfloat16 logits rounded as they are stored), the
+    same log-probability to float32 rounding."""
     if not native.has_linear:  # no packed weights on this CPU: the model keeps the logits path
         assert native.lm_head_greedy(torch.randn(2, in_features), torch.randn(vocab, in_features), vocab) is None
         return
@@ -338,13 +339,13 @@ def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(native: N
     weight[vocab // 2 + 1] = weight[vocab // 2]
     packed = native.pack_weight(weight)
     tied_rows = 0
-    for rows in range(1, 17):
+    for rows in [*range(1, 17), 17, 24, 32, 37]:
         wide = torch.randn(rows, in_features + 3).to(dtype)
         x = wide[:, 1 : 1 + in_features]
-        if rows >= 4:
-            x[1, 0] = float("nan")  # every logit NaN: the first column, logprob NaN
-            x[2] = 0.0
-            x[3] = float("inf")  # logits of both signs of infinity (and NaN where a weight is 0): as the logits say
+        for first in range(0, rows - 3, 16):  # in every 16-row slice that has room
+            x[first + 1, 0] = float("nan")  # every logit NaN: the first column, logprob NaN
+            x[first + 2] = 0.0
+            x[first + 3] = float("inf")  # logits of both signs of infinity (NaN where a weight is 0): as they say
         ids, logprobs = native.lm_head_greedy(x, packed, vocab, min_rows=1)
         logits = native.linear(x, packed).float()[:, :vocab].contiguous()
         expected_ids, expected_logprobs = native.greedy_logprobs(logits)
@@ -354,7 +355,6 @@ def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(native: N
         assert [logprobs[i] for i in finite] == pytest.approx([expected_logprobs[i] for i in finite], abs=1e-5)
         tied_rows += ids.count(vocab // 2)
     assert tied_rows > 0  # the tie was the maximum somewhere
-    assert native.lm_head_greedy(torch.randn(17, in_features).to(dtype), packed, vocab) is None  # past one tile
     assert native.lm_head_greedy(torch.randn(7, in_features).to(dtype), packed, vocab) is None  # the logits path
     assert native.lm_head_greedy(torch.randn(8, in_features).to(dtype), packed, vocab) is not None
 
