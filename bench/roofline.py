@@ -1,8 +1,7 @@
 """Decode against the roofline, prefill against ``transformers``, and the engine's overhead, in one run.
 
 1. Both ceilings of this machine, measured in the same run (before and after the decode runs, best of each; the
-   read ceiling is then raised to the fastest rate a decode run read its bytes at, and the matmul ceiling to the
-   rate at which the fastest float32 prefill did its FLOPs, where those are higher):
+   read ceiling is then raised to the fastest rate a decode run read its bytes at, where that is higher):
    read bandwidth (the fastest of three readers on all threads: a large float32 tensor's ``sum``, a
    matrix-vector product, and the engine's own projection kernel streaming as many bytes of weight at one input
    row) and the float32 matmul rate (a square GEMM). Beside them, not part of the bound: the rate at which that
@@ -143,18 +142,6 @@ def raise_to_decode_rate(ceilings: dict[str, Any], decode: list[dict[str, Any]],
     return {**ceilings, "read_bandwidth": read}
 
 
-def raise_to_prefill_rate(ceilings: dict[str, Any], prefill: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
-    """The matmul ceiling, raised to the rate at which the fastest float32 prefill run did its arithmetic (its
-    FLOPs over its whole worker step) where that is higher: a GEMM measured while this VM lent a core to a
-    neighbour once came out at half its usual rate, which made batch 16's bound its FLOPs and its ratio look met."""
-    rate = prefill_flops(shape, prefill["prompt_len"]) / prefill["ksana"]["best_s"]
-    measured = ceilings["matmul"]
-    matmul = dict(measured, prefill_flop_per_s=rate, measured_flop_per_s=measured["flop_per_s"], source="measured")
-    if rate > measured["flop_per_s"]:
-        matmul.update(flop_per_s=rate, source="float32 prefill")
-    return {**ceilings, "matmul": matmul}
-
-
 def measure_matmul_rate(n: int, repeats: int) -> dict[str, float]:
     """FLOP/s of an n x n x n float32 GEMM; best of repeats."""
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -207,14 +194,6 @@ def decode_step_cost(shape: ModelShape, seq_lens: Sequence[int]) -> dict[str, fl
     attn_flops = 4 * sum(kv_lens) * shape.num_heads * shape.head_dim
     flops = 2 * matmul_params(shape) * batch + attn_flops
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes": weight_bytes + kv_bytes, "flops": flops}
-
-
-def prefill_flops(shape: ModelShape, length: int) -> float:
-    """FLOPs of a prefill of ``length`` tokens that samples its last: every layer's matmuls for each token, causal
-    attention (4 x head_dim x heads per query and key it attends to), and the lm_head for one row."""
-    lm_head = shape.vocab_size * shape.hidden_size
-    attended = sum(min(i + 1, w) if w is not None else i + 1 for w in shape.sliding_windows for i in range(length))
-    return 2 * (matmul_params(shape) - lm_head) * length + 2 * lm_head + 4 * attended * shape.num_heads * shape.head_dim
 
 
 def roofline_bound(cost: dict[str, float], bytes_per_s: float, flop_per_s: float) -> dict[str, float]:
@@ -469,18 +448,18 @@ def run_bench(settings: Settings) -> dict[str, Any]:
                        for batch, context in configs] for _ in range(settings.decode_passes)]
             decode = [fastest_pass([runs[i] for runs in passes]) for i in range(len(configs))]
             ceiling_runs.append(run_in_fresh_thread(measure_ceilings, settings, hidden_size))
+            report["ceilings"] = ceilings = raise_to_decode_rate(best_ceilings(*ceiling_runs), decode, shape)
+            report["ceiling_runs"] = ceiling_runs
+            for d in decode:
+                add_roofline(d, shape, ceilings)
+            report["decode"] = decode
             # The largest batch at the first context again with one step in flight: async scheduling's share.
-            one = one_step_in_flight(llm, decode_bench, llm, recorder, max_batch, settings.contexts[0],
-                                     settings.decode_tokens, settings.skip_steps, rng)
+            report["decode_one_in_flight"] = one = one_step_in_flight(
+                llm, decode_bench, llm, recorder, max_batch, settings.contexts[0], settings.decode_tokens,
+                settings.skip_steps, rng)
+            add_roofline(one, shape, ceilings)
         prefill[dtype_name] = prefill_bench(llm, recorder, settings.prefill_len,
                                             settings.prefill_repeats[dtype_name], rng)
-        if dtype_name == "float32":
-            ceilings = raise_to_decode_rate(best_ceilings(*ceiling_runs), decode, shape)
-            report["ceilings"] = ceilings = raise_to_prefill_rate(ceilings, prefill[dtype_name], shape)
-            report["ceiling_runs"] = ceiling_runs
-            for d in (*decode, one):
-                add_roofline(d, shape, ceilings)
-            report["decode"], report["decode_one_in_flight"] = decode, one
         del llm, recorder
         gc.collect()
     report["prefill"] = prefill
@@ -525,7 +504,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['load_average_before']:.1f} before, {report['load_average_after']:.1f} after",
         f"ceilings (best of {len(report['ceiling_runs'])} measurements): read {bw['bytes_per_s'] / 1e9:.1f} GB/s "
         f"({bw['bytes'] / 2**20:.0f} MiB: {readers}{_raised(bw)}), float32 matmul "
-        f"{c['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s ({c['matmul']['n']}^3 GEMM{_matmul_raised(c['matmul'])})",
+        f"{c['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s ({c['matmul']['n']}^3 GEMM)",
         f"streamed matmul (the engine's projection kernel over one {bw['bytes'] / 2**20:.0f} MiB weight): "
         + ", ".join(f"{b} rows {m['bytes_per_s'] / 1e9:.1f} GB/s" for b, m in c["streamed_matmul"].items()),
         "",
@@ -575,12 +554,6 @@ def _raised(read: dict[str, Any]) -> str:
     if read.get("source", "measured") == "measured":
         return ""
     return f"; raised from {read['measured_bytes_per_s'] / 1e9:.1f} to the rate of {read['source']}"
-
-
-def _matmul_raised(matmul: dict[str, Any]) -> str:
-    if matmul.get("source", "measured") == "measured":
-        return ""
-    return f"; raised from {matmul['measured_flop_per_s'] / 1e9:.1f} to the rate of the {matmul['source']}"
 
 
 def _cell(seconds: float, period: float) -> str:

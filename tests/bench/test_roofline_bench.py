@@ -170,29 +170,6 @@ def test_the_read_ceiling_is_never_below_a_decode_runs_read_rate(bench, report):
     assert kept["bytes_per_s"] == 2e3 and kept["source"] == "measured"
 
 
-def test_the_matmul_ceiling_is_never_below_the_float32_prefills_flop_rate(bench, report):
-    import torch
-
-    matmul = report["ceilings"]["matmul"]
-    assert matmul["flop_per_s"] == max(matmul["measured_flop_per_s"], matmul["prefill_flop_per_s"])
-    shape = ModelShape(model_type="llama", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
-                       intermediate_size=16, vocab_size=100, max_position_embeddings=64,
-                       sliding_windows=[None, 2], eos_token_ids=[], dtype=torch.float32)
-    # 3 tokens: the layers' matmuls for each, the lm_head once; attention over 1 + 2 + 3 keys in the full layer
-    # and 1 + 2 + 2 in the windowed one, 4 x head_dim x heads FLOPs a key.
-    per_token = 2 * (8 * (2 * 8 + 2 * 4) + 3 * 8 * 16)
-    expected = 3 * 2 * per_token + 2 * 100 * 8 + 4 * (6 + 5) * 2 * 4
-    assert bench.prefill_flops(shape, 3) == expected
-    prefill = {"prompt_len": 3, "ksana": {"best_s": expected / 1e3}}  # 1,000 FLOP/s
-    ceilings = {"read_bandwidth": {"bytes_per_s": 1.0}, "matmul": {"flop_per_s": 500.0}}
-    raised = bench.raise_to_prefill_rate(ceilings, prefill, shape)["matmul"]
-    assert raised["flop_per_s"] == pytest.approx(1e3) and raised["source"] == "float32 prefill"
-    assert raised["measured_flop_per_s"] == 500.0
-    ceilings["matmul"]["flop_per_s"] = 2e3
-    kept = bench.raise_to_prefill_rate(ceilings, prefill, shape)["matmul"]
-    assert kept["flop_per_s"] == 2e3 and kept["source"] == "measured"
-
-
 def test_report_is_written_as_json_with_its_keys(bench, report, tmp_path):
     out = tmp_path / "results" / "roofline.json"
     bench.write_report(report, out)
