@@ -4,8 +4,9 @@
    read ceiling is then raised to the fastest rate a decode run read its bytes at, where that is higher):
    read bandwidth (the fastest of three readers on all threads: a large float32 tensor's ``sum``, a
    matrix-vector product, and the engine's own projection kernel streaming as many bytes of weight at one input
-   row) and the float32 matmul rate (a square GEMM). Beside them, not part of the bound: the rate at which that
-   kernel streams one weight matrix of the model's size from memory at each batch's row count. Where the arithmetic
+   row) and the float32 matmul rate (a square GEMM, the faster of ``torch.mm`` and the engine's packed kernel).
+   Beside them, not part of the bound: the rate at which that kernel streams one weight matrix of the model's size
+   from memory at each batch's row count. Where the arithmetic
    of B rows and the weight stream do not overlap fully, this is below the read bandwidth, and a step made of
    nothing but that one uninterrupted matmul could not beat it; "step/kernel" sets the step against it.
 2. Decode at batch 1 and 16 (float32) through ``LLM.generate``: B prompts of a fixed context, ``ignore_eos``.
@@ -142,13 +143,24 @@ def raise_to_decode_rate(ceilings: dict[str, Any], decode: list[dict[str, Any]],
     return {**ceilings, "read_bandwidth": read}
 
 
-def measure_matmul_rate(n: int, repeats: int) -> dict[str, float]:
-    """FLOP/s of an n x n x n float32 GEMM; best of repeats."""
+def measure_matmul_rate(n: int, repeats: int) -> dict[str, Any]:
+    """FLOP/s of an n x n x n float32 GEMM, best of repeats, the faster of two kernels: ``torch.mm`` and the engine's
+    own projection kernel (a projection of ``get_ops("cpu")`` over the packed weight, where it runs). Why both: in one
+    session-12 run torch's ``mm`` (and its ``sum`` and ``mv``) ran at half their usual rate while the engine's
+    kernels did not, and a halved matmul ceiling made batch 16's bound its FLOPs and its ratio look met."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    torch.mm(a, b, out=out)
-    best = min(_timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeats))
-    return {"n": n, "best_s": best, "flop_per_s": 2 * n**3 / best}
+    kernels = {"torch.mm": lambda: torch.mm(a, b, out=out)}
+    ops = get_ops("cpu")
+    if ops.pack_weights is not None:
+        packed = next(ops.pack_weights([b.t().contiguous()]))  # linear takes [out, in]: the same product
+        kernels["packed linear"] = lambda: ops.mlp_gate_up(a, packed)
+    rates = {}
+    for name, fn in kernels.items():
+        fn()
+        rates[name] = 2 * n**3 / min(_timed(fn) for _ in range(repeats))
+    kernel = max(rates, key=rates.__getitem__)
+    return {"n": n, "flop_per_s": rates[kernel], "kernel": kernel, "by_kernel_flop_per_s": rates}
 
 
 def measure_streamed_matmul(mib: int, in_features: int, rows: int, repeats: int) -> dict[str, Any]:
@@ -504,7 +516,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['load_average_before']:.1f} before, {report['load_average_after']:.1f} after",
         f"ceilings (best of {len(report['ceiling_runs'])} measurements): read {bw['bytes_per_s'] / 1e9:.1f} GB/s "
         f"({bw['bytes'] / 2**20:.0f} MiB: {readers}{_raised(bw)}), float32 matmul "
-        f"{c['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s ({c['matmul']['n']}^3 GEMM)",
+        f"{c['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s ({c['matmul']['n']}^3 GEMM: "
+        + ", ".join(f"{name} {v / 1e9:.1f}" for name, v in c["matmul"]["by_kernel_flop_per_s"].items()) + ")",
         f"streamed matmul (the engine's projection kernel over one {bw['bytes'] / 2**20:.0f} MiB weight): "
         + ", ".join(f"{b} rows {m['bytes_per_s'] / 1e9:.1f} GB/s" for b, m in c["streamed_matmul"].items()),
         "",

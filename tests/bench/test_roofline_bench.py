@@ -50,6 +50,19 @@ def test_the_read_ceiling_is_the_fastest_reader_the_engines_one_row_stream_among
     assert kept["measured_bytes_per_s"] == max(r["read_bandwidth"]["bytes_per_s"] for r in report["ceiling_runs"])
 
 
+def test_the_matmul_ceiling_is_the_faster_of_torchs_gemm_and_the_engines(report):
+    from kernels.dispatch import get_ops
+
+    kernels = {"torch.mm", "packed linear"} if get_ops("cpu").pack_weights is not None else {"torch.mm"}
+    for run in report["ceiling_runs"]:
+        matmul = run["matmul"]
+        assert set(matmul["by_kernel_flop_per_s"]) == kernels
+        assert matmul["flop_per_s"] == max(matmul["by_kernel_flop_per_s"].values())
+        assert matmul["by_kernel_flop_per_s"][matmul["kernel"]] == matmul["flop_per_s"]
+    best = max(r["matmul"]["flop_per_s"] for r in report["ceiling_runs"])
+    assert report["ceilings"]["matmul"]["flop_per_s"] == best
+
+
 def test_the_projection_kernel_is_timed_streaming_at_every_batchs_row_count(report):
     streamed = report["ceilings"]["streamed_matmul"]
     assert sorted(streamed) == sorted(str(b) for b in SETTINGS["batches"])
