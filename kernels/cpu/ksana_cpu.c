@@ -975,8 +975,8 @@ static inline void transpose16x16(__m512 r[16]) {
 /* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8], 8 being
  * ROW_TILE) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s
  * columns. `prefetch`: fetch each panel's stream ahead, PACKED_PREFETCH_L1 elements into L1 and
- * PACKED_PREFETCH_L2 into L2. Against one T0 prefetch 4 KiB ahead, the two streamed a 512 MiB weight 2-3% faster
- * at 1 row, 5-6% at 2-6 rows and 4-5% at 16 (after a T1 alone, 8 KiB ahead, had: 2-4% faster from 8 rows, slower
+ * PACKED_PREFETCH_L2 into L2. Against one T0 prefetch 4 KiB ahead, the two streamed a 512 MiB weight 0-3% faster
+ * at 1 row, 5-9% at 2-8 rows and 2-5% at 16 (after a T1 alone, 8 KiB ahead, had: 2-4% faster from 8 rows, slower
  * at 2-4), and the same at 32-64 rows (gemm tiles). */
 #define DEFINE_PACKED_TILE(SUF, T, MR, NP)                                                                       \
     static void packed_tile_##SUF##_##MR##_##NP(const float *a, const T *w, int64_t panel_len, int64_t K,        \
