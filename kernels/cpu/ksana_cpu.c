@@ -895,12 +895,14 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  * Built only for AVX-512 (the tiles need its 32 vector registers); `linear_available` tells Python, and other CPUs
  * keep torch's layout and BLAS.
  */
-#if defined(KSANA_AVX512)
+#if defined(KSANA_AVX512) || defined(KSANA_AVX2)
 #include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
+#if defined(KSANA_AVX512)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#endif
 
 #define PANEL 16                       /* output columns per packed panel */
 #define DECODE_ROWS 16                 /* up to this many input rows run as one tile per panel group */
@@ -911,6 +913,7 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
 #define PACKED_PREFETCH_L2 2048        /* ...and into L2 (8 KiB) */
 #define LINEAR_PARALLEL_MIN (1 << 18)  /* M * N * K below this stays on the calling thread */
 
+#if defined(KSANA_AVX512)
 static inline __m512 w16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 w16_bf16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -937,6 +940,7 @@ static inline __m512 silu16(__m512 g) {
 }
 
 /* r[i] = [r0[i], ..., r7[i]]: eight columns of eight rows. */
+#endif
 static inline void transpose8x8(__m256 r[8]) {
     __m256 t[8], u[8];
     for (int i = 0; i < 8; i += 2)
@@ -954,6 +958,15 @@ static inline void transpose8x8(__m256 r[8]) {
 
 /* r[i] = [r0[i], ..., r15[i]]: sixteen columns of sixteen rows (transpose8x8's two stages, then two across the
  * 128-bit lanes). */
+/* What packed_linear_greedy's panel groups found, per slice of 16 rows and group, the rows in the 16 lanes (see
+ * greedy_block): slice s's group g at s * groups + g. */
+typedef struct {
+    int64_t groups, vocab;
+    float *max, *sum;      /* the group's maximum logit; sum(exp(logit - that maximum)) over the group */
+    int32_t *id, *nan_id;  /* the first column holding the maximum (-1: every logit -inf); the first NaN's (-1) */
+} greedy_groups;
+
+#if defined(KSANA_AVX512)
 static inline void transpose16x16(__m512 r[16]) {
     __m512 t[16], u[16];
     for (int i = 0; i < 16; i += 2)
@@ -1045,13 +1058,6 @@ static inline int panels_per_group(int64_t rows) {
     return rows <= DECODE_ROWS ? panels_of_decode_tile(rows) : GEMM_NP;
 }
 
-/* What packed_linear_greedy's panel groups found, per slice of 16 rows and group, the rows in the 16 lanes (see
- * greedy_block): slice s's group g at s * groups + g. */
-typedef struct {
-    int64_t groups, vocab;
-    float *max, *sum;      /* the group's maximum logit; sum(exp(logit - that maximum)) over the group */
-    int32_t *id, *nan_id;  /* the first column holding the maximum (-1: every logit -inf); the first NaN's (-1) */
-} greedy_groups;
 
 /* Each row's token and log-probability from its groups, in group order, as greedy_logprobs would give them: the
  * first NaN wins (logprob NaN); else the first group holding the maximum m gives the token, and its log_softmax
@@ -1091,65 +1097,8 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
     }
 }
 
-#define DEFINE_PACKED_LINEAR(SUF, T)                                                                             \
+#define DEFINE_PACKED_GROUPS(SUF, T)                                                                             \
     DEFINE_PACKED_TILES(SUF, T)                                                                                  \
-    /* packed[p][k][j] = w[16p + j][k], zero for 16p + j >= N. */                                                \
-    void pack_weight_##SUF(const T *w, int64_t N, int64_t K, T *packed, int nthreads) {                          \
-        int64_t panels = (N + PANEL - 1) / PANEL;                                                                \
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                       \
-        for (int64_t p = 0; p < panels; p++) {                                                                   \
-            T *dst = packed + p * K * PANEL;                                                                     \
-            for (int j = 0; j < PANEL; j++) {                                                                    \
-                int64_t n = p * PANEL + j;                                                                       \
-                for (int64_t k = 0; k < K; k++) {                                                                \
-                    if (n < N) dst[k * PANEL + j] = w[n * K + k];                                                \
-                    else memset(&dst[k * PANEL + j], 0, sizeof(T));                                              \
-                }                                                                                                \
-            }                                                                                                    \
-        }                                                                                                        \
-    }                                                                                                            \
-                                                                                                                 \
-    /* Columns [k0, k1) of row `row` of M (K values a row) into the tiles' input layout as float32: a[k][m] for  \
-     * up to 8 rows, else a[t][k][m] with ROW_TILE rows a tile (row = t * ROW_TILE + m; a 16-row decode tile     \
-     * reads two), so threads that pack whole row tiles never write the same cache line. */                      \
-    static inline void pack_row_##SUF(const T *x, int64_t K, int64_t k0, int64_t k1, float *a, int64_t M,        \
-                                      int64_t row) {                                                             \
-        int64_t step = M <= ROW_TILE ? M : ROW_TILE;                                                             \
-        float *dst = a + row / step * step * K + row % step;                                                     \
-        for (int64_t k = k0; k < k1; k++) dst[k * step] = load_##SUF(x + k);                                     \
-    }                                                                                                            \
-                                                                                                                 \
-    /* Columns [k0, k1) of row tile t (rows 8t..8t+7, `x_stride` apart, all below M, M >= 8) into the packed     \
-     * input as pack_row lays it out, eight columns at a time through a transpose instead of one strided store   \
-     * per value. */                                                                                             \
-    static inline void pack_tile_##SUF(const T *x, int64_t x_stride, int64_t K, int64_t k0, int64_t k1,          \
-                                       float *a, int64_t t) {                                                    \
-        const T *src = x + t * ROW_TILE * x_stride;                                                              \
-        float *dst = a + t * ROW_TILE * K;                                                                       \
-        int64_t k = k0;                                                                                          \
-        for (; k + 8 <= k1; k += 8) {                                                                            \
-            __m256 r[ROW_TILE];                                                                                  \
-            for (int m = 0; m < ROW_TILE; m++) r[m] = load8_##SUF(src + m * x_stride + k);                       \
-            transpose8x8(r);                                                                                     \
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (k + i) * ROW_TILE, r[i]);                        \
-        }                                                                                                        \
-        for (; k < k1; k++)                                                                                      \
-            for (int m = 0; m < ROW_TILE; m++) dst[k * ROW_TILE + m] = load_##SUF(src + m * x_stride + k);       \
-    }                                                                                                            \
-                                                                                                                 \
-    /* Rows of M (`x_stride` apart, K values) in the row tiles tid, tid + nth, ... into the packed input: whole  \
-     * tiles by pack_tile, a partial one (or M < 8, whose layout is M rows wide) row by row. */                  \
-    static void pack_tiles_##SUF(const T *x, int64_t x_stride, int64_t K, float *a, int64_t M, int tid,          \
-                                 int nth) {                                                                      \
-        for (int64_t t = tid; t * ROW_TILE < M; t += nth) {                                                      \
-            if (M >= ROW_TILE && (t + 1) * ROW_TILE <= M)                                                        \
-                pack_tile_##SUF(x, x_stride, K, 0, K, a, t);                                                     \
-            else                                                                                                 \
-                for (int64_t r = t * ROW_TILE; r < M && r < (t + 1) * ROW_TILE; r++)                             \
-                    pack_row_##SUF(x + r * x_stride, K, 0, K, a, M, r);                                          \
-        }                                                                                                        \
-    }                                                                                                            \
-                                                                                                                 \
     /* silu_and_mul_row 16 lanes at a time: silu16, the same rounding and stores, so the same values; the tail   \
      * goes as silu_and_mul_row's does (8 lanes of the same math, then expf one by one). */                      \
     static void silu_and_mul_row16_##SUF(const T *g, T *o, int64_t d) {                                          \
@@ -1258,8 +1207,256 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
             }                                                                                                    \
         }                                                                                                        \
         if (block != small) free(block);                                                                         \
+    }
+
+#define DEFINE_PACKED_GREEDY(SUF, T)                                                                             \
+    /* Greedy decoding straight from the lm_head, without the [M, N] logits: each row's first maximum over its   \
+     * first `vocab` logits (the first NaN if there is one) and log_softmax there, as greedy_logprobs gives them \
+     * from the logits packed_linear writes (bf16 logits rounded as it stores them). Each panel group keeps its  \
+     * own maximum and sum of exponentials, 16 rows at a time, while its logits are in L1; they are combined in  \
+     * group order, so the result does not depend on which thread ran which group. */                           \
+    void packed_linear_greedy_##SUF(const T *x, int64_t x_stride, const T *w, int64_t M, int64_t N, int64_t K,   \
+                                    int64_t vocab, int64_t *ids, float *logprobs, int nthreads) {                \
+        int64_t groups = ((N + PANEL - 1) / PANEL + panels_per_group(M) - 1) / panels_per_group(M);              \
+        int64_t slices = (M + 15) / 16, n = 16 * groups * slices;                                                \
+        greedy_groups greedy = {.groups = groups, .vocab = vocab < N ? vocab : N};                               \
+        greedy.max = (float *)malloc(sizeof(float) * 2 * n);                                                     \
+        greedy.sum = greedy.max + n;                                                                             \
+        greedy.id = (int32_t *)malloc(sizeof(int32_t) * 2 * n);                                                  \
+        greedy.nan_id = greedy.id + n;                                                                           \
+        packed_matmul_##SUF(x, x_stride, w, NULL, NULL, M, N, K, nthreads, &greedy);                             \
+        for (int64_t s = 0; s < slices; s++)                                                                     \
+            greedy_combine(&greedy, s, M - 16 * s < 16 ? M - 16 * s : 16, ids + 16 * s, logprobs + 16 * s);      \
+        free(greedy.max);                                                                                        \
+        free(greedy.id);                                                                                         \
+    }
+
+#define SILU_AND_MUL_ROW(SUF) silu_and_mul_row16_##SUF
+#else
+/* The packed linear in AVX2 (16 vector registers of 8 lanes): a tile is MR <= 3 input rows x NP panels, each
+ * panel two 8-lane halves, so at most 12 accumulators (3 x 2 and 2 x 3 panels, 1 x 4), plus the rows' broadcasts
+ * and one weight vector. Each k is one 64-byte line of every panel, as in the AVX-512 tiles, and the output's
+ * summation order is the same (one FMA per k, then the bias): both builds give the same bits. A decode step's
+ * rows (and prefill's row tiles) go in chunks of up to 3 rows over each panel group; the first chunk streams the
+ * group from memory (prefetching ahead), the others find it in L2. */
+#define AVX2_MR 3       /* input rows per tile */
+#define AVX2_KBLOCK 128 /* values of k per pass of the row chunks over a panel group (16 KiB of float32 in L1) */
+static inline __m256 w8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 w8_bf16(const bf16_t *p) { return load8_bf16(p); }
+/* Columns [0, cols) of one output row of a panel from its two halves plus the bias (`cols` values), rounded once
+ * per value. */
+static inline void st_panel_f32(float *o, __m256 lo, __m256 hi, const float *bias, int cols) {
+    if (cols == PANEL) {
+        if (bias) lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias)), hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+        _mm256_storeu_ps(o, lo), _mm256_storeu_ps(o + 8, hi);
+        return;
+    }
+    float v[PANEL];
+    _mm256_storeu_ps(v, lo), _mm256_storeu_ps(v + 8, hi);
+    for (int j = 0; j < cols; j++) o[j] = bias ? v[j] + bias[j] : v[j];
+}
+static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *bias, int cols) {
+    float v[PANEL];
+    _mm256_storeu_ps(v, lo), _mm256_storeu_ps(v + 8, hi);
+    for (int j = 0; j < cols; j++) o[j] = f32_to_bf16(bias ? v[j] + bf16_to_f32(bias[j]) : v[j]);
+}
+
+/* MR rows of the packed input (row m's k-th value at a[k * a_step + m]) x NP panels (`panel_len` apart), over
+ * k in [k0, k1): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the
+ * output (MR rows, the last panel's first `last_cols` columns, plus the bias). `prefetch` as in the AVX-512
+ * tiles. */
+#define DEFINE_PACKED_TILE_AVX2(SUF, T, MR, NP)                                                                  \
+    static void packed_tile_##SUF##_##MR##_##NP(const float *a, int64_t a_step, const T *w, int64_t panel_len,  \
+                                                int64_t k0, int64_t k1, int64_t K, float *part, const T *bias,   \
+                                                T *out, int64_t ldo, int last_cols, int prefetch) {              \
+        __m256 acc[MR][2 * NP];                                                                                  \
+        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NP; j++)                                             \
+                acc[m][j] = k0 ? _mm256_loadu_ps(part + (m * 2 * NP + j) * 8) : _mm256_setzero_ps();             \
+        for (int64_t k = k0; k < k1; k++) {                                                                      \
+            __m256 x[MR];                                                                                        \
+            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) x[m] = _mm256_broadcast_ss(a + k * a_step + m); \
+            _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
+                const T *wk = w + p * panel_len + k * PANEL;                                                     \
+                if (prefetch) {                                                                                  \
+                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L1), _MM_HINT_T0);                          \
+                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L2), _MM_HINT_T1);                          \
+                }                                                                                                \
+                __m256 lo = w8_##SUF(wk);                                                                        \
+                _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                             \
+                    acc[m][2 * p] = _mm256_fmadd_ps(x[m], lo, acc[m][2 * p]);                                    \
+                __m256 hi = w8_##SUF(wk + 8);                                                                    \
+                _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                             \
+                    acc[m][2 * p + 1] = _mm256_fmadd_ps(x[m], hi, acc[m][2 * p + 1]);                            \
+            }                                                                                                    \
+        }                                                                                                        \
+        /* unrolled, as above: with a variable index GCC keeps acc in memory and stores it every k */            \
+        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                                     \
+            _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
+                if (k1 < K) {                                                                                    \
+                    _mm256_storeu_ps(part + (m * 2 * NP + 2 * p) * 8, acc[m][2 * p]);                            \
+                    _mm256_storeu_ps(part + (m * 2 * NP + 2 * p + 1) * 8, acc[m][2 * p + 1]);                    \
+                } else {                                                                                         \
+                    st_panel_##SUF(out + m * ldo + p * PANEL, acc[m][2 * p], acc[m][2 * p + 1],                  \
+                                   bias ? bias + p * PANEL : NULL, p == NP - 1 ? last_cols : PANEL);             \
+                }                                                                                                \
+            }                                                                                                    \
+    }
+
+#define DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                         \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 1) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 2)                                  \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 3) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 4)                                  \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 1) DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 2)                                  \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 3) DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 1)                                  \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 2)                                                                        \
+    typedef void (*packed_tile_##SUF##_fn)(const float *, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, \
+                                           float *, const T *, T *, int64_t, int, int);                          \
+    /* [rows][panels], for the shapes avx2_panels_per_group hands out (at most 12 accumulators) */               \
+    static const packed_tile_##SUF##_fn packed_tiles_##SUF[AVX2_MR + 1][5] = {                                   \
+        {NULL},                                                                                                  \
+        {NULL, packed_tile_##SUF##_1_1, packed_tile_##SUF##_1_2, packed_tile_##SUF##_1_3, packed_tile_##SUF##_1_4}, \
+        {NULL, packed_tile_##SUF##_2_1, packed_tile_##SUF##_2_2, packed_tile_##SUF##_2_3, NULL},                 \
+        {NULL, packed_tile_##SUF##_3_1, packed_tile_##SUF##_3_2, NULL, NULL},                                    \
+    };
+
+/* The rows of one tile of the packed input (`rows`, up to ROW_TILE) in chunks of at most AVX2_MR, as even as
+ * they go: chunk c is rows [rows * c / n, rows * (c + 1) / n) of n. */
+static inline int64_t avx2_chunks(int64_t rows) { return (rows + AVX2_MR - 1) / AVX2_MR; }
+/* Panels per group: as many as keep the largest chunk at 12 accumulators at most. */
+static inline int avx2_panels_per_group(int64_t M) {
+    int64_t rows = M < ROW_TILE ? M : ROW_TILE, chunks = avx2_chunks(rows);
+    int64_t most = (rows + chunks - 1) / chunks;
+    return most >= 3 ? 2 : most == 2 ? 3 : 4;
+}
+
+#define DEFINE_PACKED_GROUPS(SUF, T)                                                                             \
+    DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                             \
+    /* The matmul over packed input `a` (pack_row's layout) for the calling thread, taking panel groups from     \
+     * `next_group` in chunks as the AVX-512 packed_groups does. A group goes AVX2_KBLOCK values of k at a time: \
+     * every row chunk passes over that block (in L1) before the next, the first one streaming it from memory,   \
+     * so the stream runs beside the arithmetic, not before it; the chunks' partial sums wait in `part`.         \
+     * `greedy` is the AVX-512 build's (this one computes logits; see packed_linear_greedy). */                  \
+    static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
+                                    int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
+        (void)greedy;                                                                                            \
+        int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
+        int last_cols = N % PANEL ? (int)(N % PANEL) : PANEL;                                                    \
+        int64_t step = M <= ROW_TILE ? M : ROW_TILE; /* rows per tile of the packed input */                     \
+        int np = avx2_panels_per_group(M);                                                                       \
+        int64_t groups = (panels + np - 1) / np;                                                                 \
+        int64_t chunks = (M + ROW_TILE - 1) / ROW_TILE * avx2_chunks(step), part_len = 2 * AVX2_MR * 2 * 8;      \
+        float small[3 * 2 * AVX2_MR * 2 * 8];                                                                    \
+        float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
+        for (;;) {                                                                                               \
+            int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
+            if (g0 >= groups) break;                                                                             \
+            int64_t chunk = (groups - g0) / (2 * nthreads);                                                      \
+            chunk = chunk < 1 ? 1 : chunk;                                                                       \
+            g0 = __atomic_fetch_add(next_group, chunk, __ATOMIC_RELAXED);                                        \
+            int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;                                              \
+            for (int64_t g = g0; g < g1; g++) {                                                                  \
+                int64_t p0 = g * np;                                                                             \
+                int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                  \
+                int cols = p0 + gp == panels ? last_cols : PANEL;                                                \
+                const T *wg = w + p0 * panel_len;                                                                \
+                const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
+                for (int64_t k0 = 0; k0 < K; k0 += AVX2_KBLOCK) {                                                \
+                    int64_t k1 = k0 + AVX2_KBLOCK < K ? k0 + AVX2_KBLOCK : K;                                    \
+                    float *pc = part;                                                                            \
+                    for (int64_t t0 = 0; t0 < M; t0 += step) {                                                   \
+                        int64_t rows = M - t0 < step ? M - t0 : step, n = avx2_chunks(rows);                     \
+                        for (int64_t c = 0; c < n; c++, pc += part_len) {                                        \
+                            int64_t r0 = rows * c / n, r1 = rows * (c + 1) / n;                                  \
+                            packed_tiles_##SUF[r1 - r0][gp](a + t0 * K + r0, step, wg, panel_len, k0, k1, K, pc, \
+                                                            bg, out + (t0 + r0) * N + p0 * PANEL, N, cols,       \
+                                                            pc == part);                                         \
+                        }                                                                                        \
+                    }                                                                                            \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (part != small) free(part);                                                                           \
+    }
+
+/* Greedy decoding from the lm_head through the logits (the AVX-512 build fuses it: see there): the packed
+ * linear's logits, widened to float32 as the model's logits path widens them, through greedy_logprobs, so the
+ * results are the logits path's exactly. */
+#define DEFINE_PACKED_GREEDY(SUF, T)                                                                             \
+    void packed_linear_greedy_##SUF(const T *x, int64_t x_stride, const T *w, int64_t M, int64_t N, int64_t K,   \
+                                    int64_t vocab, int64_t *ids, float *logprobs, int nthreads) {                \
+        int64_t cols = vocab < N ? vocab : N;                                                                    \
+        T *logits = (T *)malloc(sizeof(T) * M * N);                                                              \
+        float *wide = (float *)malloc(sizeof(float) * M * cols);                                                 \
+        packed_matmul_##SUF(x, x_stride, w, NULL, logits, M, N, K, nthreads, NULL);                              \
+        for (int64_t r = 0; r < M; r++)                                                                          \
+            for (int64_t j = 0; j < cols; j++) wide[r * cols + j] = load_##SUF(logits + r * N + j);              \
+        greedy_logprobs(wide, M, cols, ids, logprobs, nthreads);                                                 \
+        free(logits);                                                                                            \
+        free(wide);                                                                                              \
+    }
+
+#define SILU_AND_MUL_ROW(SUF) silu_and_mul_row_##SUF
+#endif
+
+#define DEFINE_PACKED_INPUT(SUF, T)                                                                              \
+    /* packed[p][k][j] = w[16p + j][k], zero for 16p + j >= N. */                                                \
+    void pack_weight_##SUF(const T *w, int64_t N, int64_t K, T *packed, int nthreads) {                          \
+        int64_t panels = (N + PANEL - 1) / PANEL;                                                                \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                       \
+        for (int64_t p = 0; p < panels; p++) {                                                                   \
+            T *dst = packed + p * K * PANEL;                                                                     \
+            for (int j = 0; j < PANEL; j++) {                                                                    \
+                int64_t n = p * PANEL + j;                                                                       \
+                for (int64_t k = 0; k < K; k++) {                                                                \
+                    if (n < N) dst[k * PANEL + j] = w[n * K + k];                                                \
+                    else memset(&dst[k * PANEL + j], 0, sizeof(T));                                              \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
     }                                                                                                            \
                                                                                                                  \
+    /* Columns [k0, k1) of row `row` of M (K values a row) into the tiles' input layout as float32: a[k][m] for  \
+     * up to 8 rows, else a[t][k][m] with ROW_TILE rows a tile (row = t * ROW_TILE + m; a 16-row decode tile     \
+     * reads two), so threads that pack whole row tiles never write the same cache line. */                      \
+    static inline void pack_row_##SUF(const T *x, int64_t K, int64_t k0, int64_t k1, float *a, int64_t M,        \
+                                      int64_t row) {                                                             \
+        int64_t step = M <= ROW_TILE ? M : ROW_TILE;                                                             \
+        float *dst = a + row / step * step * K + row % step;                                                     \
+        for (int64_t k = k0; k < k1; k++) dst[k * step] = load_##SUF(x + k);                                     \
+    }                                                                                                            \
+                                                                                                                 \
+    /* Columns [k0, k1) of row tile t (rows 8t..8t+7, `x_stride` apart, all below M, M >= 8) into the packed     \
+     * input as pack_row lays it out, eight columns at a time through a transpose instead of one strided store   \
+     * per value. */                                                                                             \
+    static inline void pack_tile_##SUF(const T *x, int64_t x_stride, int64_t K, int64_t k0, int64_t k1,          \
+                                       float *a, int64_t t) {                                                    \
+        const T *src = x + t * ROW_TILE * x_stride;                                                              \
+        float *dst = a + t * ROW_TILE * K;                                                                       \
+        int64_t k = k0;                                                                                          \
+        for (; k + 8 <= k1; k += 8) {                                                                            \
+            __m256 r[ROW_TILE];                                                                                  \
+            for (int m = 0; m < ROW_TILE; m++) r[m] = load8_##SUF(src + m * x_stride + k);                       \
+            transpose8x8(r);                                                                                     \
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (k + i) * ROW_TILE, r[i]);                        \
+        }                                                                                                        \
+        for (; k < k1; k++)                                                                                      \
+            for (int m = 0; m < ROW_TILE; m++) dst[k * ROW_TILE + m] = load_##SUF(src + m * x_stride + k);       \
+    }                                                                                                            \
+                                                                                                                 \
+    /* Rows of M (`x_stride` apart, K values) in the row tiles tid, tid + nth, ... into the packed input: whole  \
+     * tiles by pack_tile, a partial one (or M < 8, whose layout is M rows wide) row by row. */                  \
+    static void pack_tiles_##SUF(const T *x, int64_t x_stride, int64_t K, float *a, int64_t M, int tid,          \
+                                 int nth) {                                                                      \
+        for (int64_t t = tid; t * ROW_TILE < M; t += nth) {                                                      \
+            if (M >= ROW_TILE && (t + 1) * ROW_TILE <= M)                                                        \
+                pack_tile_##SUF(x, x_stride, K, 0, K, a, t);                                                     \
+            else                                                                                                 \
+                for (int64_t r = t * ROW_TILE; r < M && r < (t + 1) * ROW_TILE; r++)                             \
+                    pack_row_##SUF(x + r * x_stride, K, 0, K, a, M, r);                                          \
+        }                                                                                                        \
+    }
+
+#define DEFINE_PACKED_MATMUL(SUF, T)                                                                             \
     /* The packing and the matmul of packed_linear; with `greedy`, no `out`: each panel group's logits go to     \
      * greedy_block instead. */                                                                                  \
     static void packed_matmul_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,  \
@@ -1291,29 +1488,11 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
     void packed_linear_##SUF(const T *x, int64_t x_stride, const T *w, const T *bias, T *out, int64_t M,         \
                              int64_t N, int64_t K, int nthreads) {                                               \
         packed_matmul_##SUF(x, x_stride, w, bias, out, M, N, K, nthreads, NULL);                                 \
-    }                                                                                                            \
-                                                                                                                 \
-    /* Greedy decoding straight from the lm_head, without the [M, N] logits: each row's first maximum over its   \
-     * first `vocab` logits (the first NaN if there is one) and log_softmax there, as greedy_logprobs gives them \
-     * from the logits packed_linear writes (bf16 logits rounded as it stores them). Each panel group keeps its  \
-     * own maximum and sum of exponentials, 16 rows at a time, while its logits are in L1; they are combined in  \
-     * group order, so the result does not depend on which thread ran which group. */                           \
-    void packed_linear_greedy_##SUF(const T *x, int64_t x_stride, const T *w, int64_t M, int64_t N, int64_t K,   \
-                                    int64_t vocab, int64_t *ids, float *logprobs, int nthreads) {                \
-        int64_t groups = ((N + PANEL - 1) / PANEL + panels_per_group(M) - 1) / panels_per_group(M);              \
-        int64_t slices = (M + 15) / 16, n = 16 * groups * slices;                                                \
-        greedy_groups greedy = {.groups = groups, .vocab = vocab < N ? vocab : N};                               \
-        greedy.max = (float *)malloc(sizeof(float) * 2 * n);                                                     \
-        greedy.sum = greedy.max + n;                                                                             \
-        greedy.id = (int32_t *)malloc(sizeof(int32_t) * 2 * n);                                                  \
-        greedy.nan_id = greedy.id + n;                                                                           \
-        packed_matmul_##SUF(x, x_stride, w, NULL, NULL, M, N, K, nthreads, &greedy);                             \
-        for (int64_t s = 0; s < slices; s++)                                                                     \
-            greedy_combine(&greedy, s, M - 16 * s < 16 ? M - 16 * s : 16, ids + 16 * s, logprobs + 16 * s);      \
-        free(greedy.max);                                                                                        \
-        free(greedy.id);                                                                                         \
     }
 
+#define DEFINE_PACKED_LINEAR(SUF, T)                                                                             \
+    DEFINE_PACKED_INPUT(SUF, T) DEFINE_PACKED_GROUPS(SUF, T)                                                     \
+    DEFINE_PACKED_MATMUL(SUF, T) DEFINE_PACKED_GREEDY(SUF, T)
 DEFINE_PACKED_LINEAR(f32, float)
 DEFINE_PACKED_LINEAR(bf16, bf16_t)
 
@@ -1460,7 +1639,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                                     nth, NULL);                                                                  \
                 team_wait(&barrier, nth, &sense);                                                                \
                 for (int64_t i = 0; i < nmine; i++)                                                              \
-                    silu_and_mul_row16_##SUF(gate_up + mine[i] * 2 * inter, act + mine[i] * inter, inter);       \
+                    SILU_AND_MUL_ROW(SUF)(gate_up + mine[i] * 2 * inter, act + mine[i] * inter, inter);          \
                 pack_tiles_##SUF(act, inter, inter, a, M, tid, nth);                                             \
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth, NULL);          \
@@ -1480,7 +1659,9 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
 
 DEFINE_DECODE_LAYERS(f32, float)
 DEFINE_DECODE_LAYERS(bf16, bf16_t)
+#if defined(KSANA_AVX512)
 #pragma GCC pop_options
+#endif
 int linear_available(void) { return 1; }
 #else
 /* Without AVX-512 these only exist so every build exports the same names; Python never calls them. */

@@ -58,7 +58,7 @@ from kernels.cpu.packed import PackedWeight
 from tests.kernels.test_attention import make_batch
 assert build_level() == {level!r}
 native = NativeCPUOps(load_library())
-assert native.has_linear == ({level!r} == "avx512")
+assert native.has_linear == ({level!r} != "portable")
 torch.set_num_threads(2)
 # 5 sequences: one task per sequence on 2 threads; 2: one task per KV head; one long one (32 heads): split tasks.
 for rows, heads in (([(1, 1), (1, 17), (1, 90), (1, 33), (1, 5)], (6, 2)), ([(1, 17), (1, 90)], (6, 2)),
@@ -71,7 +71,7 @@ for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8)):
     x, w, b = torch.randn(13, 100).to(dtype), (torch.randn(61, 100) / 10).to(dtype), torch.randn(61).to(dtype)
     expected = F.linear(x.float(), w.float(), b.float())
     packed = native.pack_weight(w)
-    assert isinstance(packed, PackedWeight) == ({level!r} == "avx512")
+    assert isinstance(packed, PackedWeight) == ({level!r} != "portable")
     torch.testing.assert_close(native.linear(x, packed, b).float(), expected, rtol=rtol, atol=1e-5)
 logits = torch.randn(3, 1003) * 3
 ids, logprobs = native.greedy_logprobs(logits)
@@ -281,9 +281,9 @@ def test_unsupported_dtype_uses_the_reference(native: NativeCPUOps) -> None:
     assert torch.equal(native.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
 
 
-# ---- the packed-weight linear and the fused decode layers (AVX-512 builds) -------------------------------------
-def test_packed_linear_is_there_exactly_on_avx512(native: NativeCPUOps) -> None:
-    assert native.has_linear == (torch.backends.cpu.get_cpu_capability() == "AVX512")
+# ---- the packed-weight linear and the fused decode layers (AVX2 and AVX-512 builds) ----------------------------
+def test_packed_linear_is_there_exactly_on_avx2_and_avx512(native: NativeCPUOps) -> None:
+    assert native.has_linear == (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
     ops = cpu_ops()
     assert (ops.qkv_proj is not F.linear) == native.has_linear
     assert (ops.decode_layers is not None) == native.has_linear
