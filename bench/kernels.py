@@ -174,7 +174,7 @@ def _native_cpu_kernels() -> dict[str, Callable] | None:
     if library is None:
         return None
     native = NativeCPUOps(library)
-    linear = {"linear": _over_packed_weights(native)} if native.has_linear else {}  # AVX-512 only; BLAS elsewhere
+    linear = {"linear": _over_packed_weights(native)} if native.has_linear else {}  # AVX2 / AVX-512; BLAS elsewhere
     return linear | {
         "rms_norm": native.rms_norm,
         "fused_add_rms_norm": native.fused_add_rms_norm,

@@ -25,7 +25,8 @@ SOURCE = Path(__file__).with_name("ksana_cpu.c")
 LIBRARY_NAME = "libksana_cpu.so"
 # "torch" forces the reference ops (to compare paths, or if the native build misbehaves); a level from LEVELS builds
 # for at most that instruction set (so the other CPUs' paths can be tested here): "portable" is the plain C
-# fallback, "avx2" adds AVX2/FMA, "avx512" the AVX-512 linear, decode attention and fused decode.
+# fallback, "avx2" adds AVX2/FMA (with the packed linear and fused decode), "avx512" their AVX-512 versions and
+# the 16-lane decode attention and fused greedy sampling.
 CPU_KERNELS_ENV = "KSANA_CPU_KERNELS"
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -64,7 +65,8 @@ def build_level() -> str:
 
 def compiler_flags() -> list[str]:
     """-O3, plus per level: AVX2/FMA; the AVX-512 packed-weight linear, decode attention and fused decode
-    (compiled for AVX-512 inside their own sections only). Never -ffast-math, and no FMA contraction of
+    (compiled for AVX-512 inside their own sections only; an AVX2 build has its own packed linear and fused
+    decode). Never -ffast-math, and no FMA contraction of
     elementwise code, so rounding matches torch's eager ops (attention and linear use FMA explicitly).
 
     bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``: on this VM's Xeon the

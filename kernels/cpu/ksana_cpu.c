@@ -5,9 +5,9 @@
  * kernels/cpu/build.py); every op also has a portable C path. Every op exists for float32 (suffix _f32) and
  * bfloat16 (suffix _bf16, stored as uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even)
  * at the points where torch's eager reference rounds, so both paths agree to the last bit in the elementwise ops
- * other than SiLU (whose exp differs by an ulp) and to float32 rounding error in the reductions. On AVX-512 builds
- * a 16-lane decode attention task and greedy sampler, the packed-weight linear and a whole decode step's layers
- * (`decode_layers`) come on top (the last two at the end of this file).
+ * other than SiLU (whose exp differs by an ulp) and to float32 rounding error in the reductions. AVX2 and AVX-512
+ * builds add the packed-weight linear and a whole decode step's layers (`decode_layers`, both at the end of this
+ * file); AVX-512 builds also a 16-lane decode attention task and greedy sampler.
  *
  * Threading: OpenMP regions use the libgomp that torch already loaded (same soname), so torch and these kernels
  * share one thread pool; the caller passes torch's thread count. `decode_layers` runs a whole step as one region
@@ -892,8 +892,9 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  * tile), widened to float32. Accumulation is float32 and each output is rounded once, as oneDNN's bfloat16 matmul
  * does. On smollm2's projections at 16 rows this reached 1.2-1.3x the rate of the earlier dot-product tiles over
  * torch's layout and 1.8x MKL's (scratch A/B in one process), and 0.9-1.04x MKL's at 480 rows.
- * Built only for AVX-512 (the tiles need its 32 vector registers); `linear_available` tells Python, and other CPUs
- * keep torch's layout and BLAS.
+ * The tiles above are AVX-512's (they need its 32 vector registers); AVX2 builds have tiles of their own over the
+ * same panels (see DEFINE_PACKED_TILE_AVX2). `linear_available` tells Python; other CPUs keep torch's layout and
+ * BLAS.
  */
 #if defined(KSANA_AVX512) || defined(KSANA_AVX2)
 #include <immintrin.h>
@@ -1237,8 +1238,9 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
  * panel two 8-lane halves, so at most 12 accumulators (3 x 2 and 2 x 3 panels, 1 x 4), plus the rows' broadcasts
  * and one weight vector. Each k is one 64-byte line of every panel, as in the AVX-512 tiles, and the output's
  * summation order is the same (one FMA per k, then the bias): both builds give the same bits. A decode step's
- * rows (and prefill's row tiles) go in chunks of up to 3 rows over each panel group; the first chunk streams the
- * group from memory (prefetching ahead), the others find it in L2. */
+ * rows (and prefill's row tiles) go in chunks of up to 3 rows over each panel group, a block of k at a time (see
+ * packed_groups). Against F.linear (MKL) over smollm2's 120 projections on an AVX2 EPYC (Zen 3, 2 threads, one
+ * process): 1 row 20 ms against 56-70, 16 rows 46-48 against 108-139, 512 rows 115 GFLOP/s against 95. */
 #define AVX2_MR 3       /* input rows per tile */
 #define AVX2_KBLOCK 128 /* values of k per pass of the row chunks over a panel group (16 KiB of float32 in L1) */
 static inline __m256 w8_f32(const float *p) { return _mm256_loadu_ps(p); }
@@ -1263,12 +1265,14 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
 
 /* MR rows of the packed input (row m's k-th value at a[k * a_step + m]) x NP panels (`panel_len` apart), over
  * k in [k0, k1): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the
- * output (MR rows, the last panel's first `last_cols` columns, plus the bias). `prefetch` as in the AVX-512
- * tiles. */
+ * output (MR rows, the last panel's first `last_cols` columns, plus the bias). No software prefetch, unlike the
+ * AVX-512 tiles: on an EPYC (Zen 3) the hardware prefetchers stream the panels alone, and the AVX-512 tiles'
+ * two prefetches cost 25% of the time at 1 row, 13% at 4 and 6% at 16 (one-process A/B over smollm2's 120
+ * projections). */
 #define DEFINE_PACKED_TILE_AVX2(SUF, T, MR, NP)                                                                  \
     static void packed_tile_##SUF##_##MR##_##NP(const float *a, int64_t a_step, const T *w, int64_t panel_len,  \
                                                 int64_t k0, int64_t k1, int64_t K, float *part, const T *bias,   \
-                                                T *out, int64_t ldo, int last_cols, int prefetch) {              \
+                                                T *out, int64_t ldo, int last_cols) {                            \
         __m256 acc[MR][2 * NP];                                                                                  \
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                                     \
             _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NP; j++)                                             \
@@ -1278,10 +1282,6 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) x[m] = _mm256_broadcast_ss(a + k * a_step + m); \
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
                 const T *wk = w + p * panel_len + k * PANEL;                                                     \
-                if (prefetch) {                                                                                  \
-                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L1), _MM_HINT_T0);                          \
-                    _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L2), _MM_HINT_T1);                          \
-                }                                                                                                \
                 __m256 lo = w8_##SUF(wk);                                                                        \
                 _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                             \
                     acc[m][2 * p] = _mm256_fmadd_ps(x[m], lo, acc[m][2 * p]);                                    \
@@ -1310,7 +1310,7 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
     DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 3) DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 1)                                  \
     DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 2)                                                                        \
     typedef void (*packed_tile_##SUF##_fn)(const float *, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, \
-                                           float *, const T *, T *, int64_t, int, int);                          \
+                                           float *, const T *, T *, int64_t, int);                               \
     /* [rows][panels], for the shapes avx2_panels_per_group hands out (at most 12 accumulators) */               \
     static const packed_tile_##SUF##_fn packed_tiles_##SUF[AVX2_MR + 1][5] = {                                   \
         {NULL},                                                                                                  \
@@ -1334,7 +1334,8 @@ static inline int avx2_panels_per_group(int64_t M) {
     /* The matmul over packed input `a` (pack_row's layout) for the calling thread, taking panel groups from     \
      * `next_group` in chunks as the AVX-512 packed_groups does. A group goes AVX2_KBLOCK values of k at a time: \
      * every row chunk passes over that block (in L1) before the next, the first one streaming it from memory,   \
-     * so the stream runs beside the arithmetic, not before it; the chunks' partial sums wait in `part`.         \
+     * so the stream runs beside the arithmetic, not before it (16 rows: 48 ms against 60 over smollm2's 120     \
+     * projections, each chunk over the whole group); the chunks' partial sums wait in `part`.                   \
      * `greedy` is the AVX-512 build's (this one computes logits; see packed_linear_greedy). */                  \
     static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
                                     int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
@@ -1368,8 +1369,7 @@ static inline int avx2_panels_per_group(int64_t M) {
                         for (int64_t c = 0; c < n; c++, pc += part_len) {                                        \
                             int64_t r0 = rows * c / n, r1 = rows * (c + 1) / n;                                  \
                             packed_tiles_##SUF[r1 - r0][gp](a + t0 * K + r0, step, wg, panel_len, k0, k1, K, pc, \
-                                                            bg, out + (t0 + r0) * N + p0 * PANEL, N, cols,       \
-                                                            pc == part);                                         \
+                                                            bg, out + (t0 + r0) * N + p0 * PANEL, N, cols);      \
                         }                                                                                        \
                     }                                                                                            \
                 }                                                                                                \
@@ -1664,7 +1664,7 @@ DEFINE_DECODE_LAYERS(bf16, bf16_t)
 #endif
 int linear_available(void) { return 1; }
 #else
-/* Without AVX-512 these only exist so every build exports the same names; Python never calls them. */
+/* Without AVX2 these only exist so every build exports the same names; Python never calls them. */
 #define DEFINE_PACKED_STUBS(SUF, T)                                                                             \
     void pack_weight_##SUF(const T *w, int64_t N, int64_t K, T *packed, int nthreads) {                          \
         (void)w, (void)N, (void)K, (void)packed, (void)nthreads;                                                 \

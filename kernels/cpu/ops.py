@@ -118,7 +118,8 @@ class NativeCPUOps:
         return ids.tolist(), logprobs.tolist()
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | PackedWeight:
-        """``weight [N, K]`` as ``linear`` runs it fastest: packed panels on AVX-512 CPUs for the native dtypes,
+        """``weight [N, K]`` as ``linear`` runs it fastest: packed panels on AVX2 and AVX-512 CPUs for the native
+        dtypes,
         else the tensor itself (which ``linear`` hands to BLAS)."""
         return next(self.pack_weights([weight]))
 

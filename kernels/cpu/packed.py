@@ -1,4 +1,4 @@
-"""Linear weights repacked for the native AVX-512 matmul: panels of 16 output columns, each ``[K, 16]``.
+"""Linear weights repacked for the native (AVX2 or AVX-512) matmul: panels of 16 output columns, each ``[K, 16]``.
 
 Packing happens once, after the checkpoint is loaded (``KernelOps.pack_weights``); the model then holds a
 ``PackedWeight`` where it held the ``[N, K]`` tensor, and only the native CPU ops ever receive one. A tied

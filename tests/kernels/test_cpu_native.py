@@ -46,7 +46,7 @@ LOWER_LEVELS = LEVELS[: max(1, LEVELS.index(cpu_level()))]
 @pytest.mark.parametrize("level", LOWER_LEVELS)
 def test_lower_instruction_set_builds_match_the_reference(tmp_path, level: str) -> None:
     """Each lower level's build, in a fresh cache: decode attention (both task layouts and split tasks, with and
-    without a window) and, from AVX-512 on, the linear kernel with float32 widening of bfloat16."""
+    without a window) and, from AVX2 on, the packed linear kernel with float32 widening of bfloat16."""
     code = f"""
 import torch
 import torch.nn.functional as F
@@ -300,7 +300,7 @@ LINEAR_ROWS = [*range(1, 18), 24, 29, 64]
 def test_packed_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, out_features: int,
                                      in_features: int, with_bias: bool) -> None:
     """Every row count a tile shape handles, outputs not a multiple of the 16-column panel (and of the 2-4 panel
-    groups), strided input rows. (Without AVX-512 the weight stays as it is and BLAS runs: the same results.)"""
+    groups), strided input rows. (Without AVX2 the weight stays as it is and BLAS runs: the same results.)"""
     torch.manual_seed(out_features * in_features)
     weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
     bias = torch.randn(out_features).to(dtype) if with_bias else None
@@ -385,7 +385,7 @@ def test_plain_weights_and_other_dtypes_stay_with_blas(native: NativeCPUOps) -> 
 def test_pack_weights_lays_the_packed_weights_back_to_back_in_the_order_given(native: NativeCPUOps) -> None:
     """One buffer per dtype, each weight starting where the one before it ends (a decode step's weights become
     one stream); unpackable weights come back as they are, in their place; each is read only when it is packed,
-    so a caller can drop the originals as it goes. (Without AVX-512 nothing packs: every weight comes back.)"""
+    so a caller can drop the originals as it goes. (Without AVX2 nothing packs: every weight comes back.)"""
     weights = [torch.randn(40, 24), torch.randn(16, 24).half(), torch.randn(33, 48), torch.randn(8, 24).bfloat16(),
                torch.randn(17, 24).bfloat16(), torch.randn(5, 7)]
     expected = [w.clone() for w in weights]
