@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -126,3 +127,12 @@ def test_every_forward_runs_on_the_engines_one_forward_thread(llm):
         del runner.execute
     assert len(threads) >= 6 and set(threads) == {llm.engine.forward_lane.thread}
     assert threads[0].name == "ksana-forward" and threads[0] is not threading.main_thread()
+
+
+def test_start_up_objects_are_frozen_out_of_the_collectors_sight():
+    """The engine's start-up objects (its model among them) sit in the permanent generation, out of every
+    collection the decode loop's garbage triggers."""
+    gc.unfreeze()
+    engine = LLM(model="demo", block_token_num=8).engine
+    assert gc.get_freeze_count() > 0
+    assert gc.is_tracked(engine.model) and not any(o is engine.model for o in gc.get_objects())
