@@ -1249,7 +1249,10 @@ static inline __m256 w8_bf16(const bf16_t *p) { return load8_bf16(p); }
  * per value. */
 static inline void st_panel_f32(float *o, __m256 lo, __m256 hi, const float *bias, int cols) {
     if (cols == PANEL) {
-        if (bias) lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias)), hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+        if (bias) {
+            lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+            hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+        }
         _mm256_storeu_ps(o, lo), _mm256_storeu_ps(o + 8, hi);
         return;
     }
@@ -1277,7 +1280,8 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                                     \
             _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NP; j++)                                             \
                 acc[m][j] = k0 ? _mm256_loadu_ps(part + (m * 2 * NP + j) * 8) : _mm256_setzero_ps();             \
-        for (int64_t k = k0; k < k1; k++) {                                                                      \
+        /* k unrolled by two: 0.88-0.96 of the time at 16 rows, 0.91 at 64, the same at 1 (one-process A/B) */  \
+        _Pragma("GCC unroll 2") for (int64_t k = k0; k < k1; k++) {                                              \
             __m256 x[MR];                                                                                        \
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) x[m] = _mm256_broadcast_ss(a + k * a_step + m); \
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
