@@ -102,7 +102,7 @@ def run_ab(settings: Settings) -> dict[str, Any]:
             builds[tag] = NativeCPUOps(build.build_library(source, directory))
         if not builds["a"].has_linear:
             return {"settings": _settings_json(settings), "error": "no fused decode step on this CPU (it needs "
-                    "AVX-512: linear_available() is 0)"}
+                    "AVX2 or AVX-512: linear_available() is 0)"}
         state: dict[str, Any] = {"turn": "a", "calls": [], "step": None}
 
         def alternating(model, hidden, cos, sin, meta):
