@@ -1240,7 +1240,7 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
  * summation order is the same (one FMA per k, then the bias): both builds give the same bits. A decode step's
  * rows (and prefill's row tiles) go in chunks of up to 3 rows over each panel group, a block of k at a time (see
  * packed_groups). Against F.linear (MKL) over smollm2's 120 projections on an AVX2 EPYC (Zen 3, 2 threads, one
- * process): 1 row 20 ms against 56-70, 16 rows 46-48 against 108-139, 512 rows 115 GFLOP/s against 95. */
+ * process): 1 row 20 ms against 56-70, 16 rows 37-50 against 108-139, 512 rows 115 GFLOP/s against 95. */
 #define AVX2_MR 3       /* input rows per tile */
 #define AVX2_KBLOCK 128 /* values of k per pass of the row chunks over a panel group (16 KiB of float32 in L1) */
 static inline __m256 w8_f32(const float *p) { return _mm256_loadu_ps(p); }
@@ -1313,12 +1313,13 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
     DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 1) DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 2)                                  \
     DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 3) DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 1)                                  \
     DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 2)                                                                        \
-    typedef void (*packed_tile_##SUF##_fn)(const float *, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, \
-                                           float *, const T *, T *, int64_t, int);                               \
+    typedef void (*packed_tile_##SUF##_fn)(const float *, int64_t, const T *, int64_t, int64_t, int64_t,         \
+                                           int64_t, float *, const T *, T *, int64_t, int);                      \
     /* [rows][panels], for the shapes avx2_panels_per_group hands out (at most 12 accumulators) */               \
     static const packed_tile_##SUF##_fn packed_tiles_##SUF[AVX2_MR + 1][5] = {                                   \
         {NULL},                                                                                                  \
-        {NULL, packed_tile_##SUF##_1_1, packed_tile_##SUF##_1_2, packed_tile_##SUF##_1_3, packed_tile_##SUF##_1_4}, \
+        {NULL, packed_tile_##SUF##_1_1, packed_tile_##SUF##_1_2, packed_tile_##SUF##_1_3,                        \
+         packed_tile_##SUF##_1_4},                                                                               \
         {NULL, packed_tile_##SUF##_2_1, packed_tile_##SUF##_2_2, packed_tile_##SUF##_2_3, NULL},                 \
         {NULL, packed_tile_##SUF##_3_1, packed_tile_##SUF##_3_2, NULL, NULL},                                    \
     };
@@ -1349,8 +1350,9 @@ static inline int avx2_panels_per_group(int64_t M) {
         int64_t step = M <= ROW_TILE ? M : ROW_TILE; /* rows per tile of the packed input */                     \
         int np = avx2_panels_per_group(M);                                                                       \
         int64_t groups = (panels + np - 1) / np;                                                                 \
-        int64_t chunks = (M + ROW_TILE - 1) / ROW_TILE * avx2_chunks(step), part_len = 2 * AVX2_MR * 2 * 8;      \
-        float small[3 * 2 * AVX2_MR * 2 * 8];                                                                    \
+        /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
+        int64_t chunks = (M + ROW_TILE - 1) / ROW_TILE * avx2_chunks(step), part_len = 12 * 8;                   \
+        float small[3 * 12 * 8];                                                                                 \
         float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
         for (;;) {                                                                                               \
             int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
