@@ -967,6 +967,19 @@ typedef struct {
     int32_t *id, *nan_id;  /* the first column holding the maximum (-1: every logit -inf); the first NaN's (-1) */
 } greedy_groups;
 
+/* The calling thread's next run of panel groups [*g0, *g1) from the shared counter `next_group`: half a thread's
+ * share of what is left, down to one (why: see packed_groups); the run is empty when other threads took the last
+ * groups first, and there is none (0) once no group is left. */
+static inline int claim_groups(int64_t *next_group, int64_t groups, int64_t nthreads, int64_t *g0, int64_t *g1) {
+    int64_t first = __atomic_load_n(next_group, __ATOMIC_RELAXED);
+    if (first >= groups) return 0;
+    int64_t chunk = (groups - first) / (2 * nthreads);
+    chunk = chunk < 1 ? 1 : chunk;
+    *g0 = __atomic_fetch_add(next_group, chunk, __ATOMIC_RELAXED);
+    *g1 = *g0 + chunk < groups ? *g0 + chunk : groups;
+    return 1;
+}
+
 #if defined(KSANA_AVX512)
 static inline void transpose16x16(__m512 r[16]) {
     __m512 t[16], u[16];
@@ -1170,13 +1183,7 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
         T small[DECODE_ROWS * 4 * PANEL];                                                                        \
         T *block = greedy && !decode ? (T *)malloc(sizeof(T) * M * np * PANEL) : small;                          \
         int64_t ld = greedy ? np * PANEL : N;                                                                    \
-        for (;;) {                                                                                               \
-            int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
-            if (g0 >= groups) break;                                                                             \
-            int64_t chunk = (groups - g0) / (2 * nthreads);                                                      \
-            chunk = chunk < 1 ? 1 : chunk;                                                                       \
-            g0 = __atomic_fetch_add(next_group, chunk, __ATOMIC_RELAXED);                                        \
-            int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;                                              \
+        for (int64_t g0, g1; claim_groups(next_group, groups, nthreads, &g0, &g1);) {                            \
             for (int64_t g = g0; g < g1; g++) {                                                                  \
                 int64_t p0 = g * np;                                                                             \
                 int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                  \
@@ -1354,13 +1361,7 @@ static inline int avx2_panels_per_group(int64_t M) {
         int64_t chunks = (M + ROW_TILE - 1) / ROW_TILE * avx2_chunks(step), part_len = 12 * 8;                   \
         float small[3 * 12 * 8];                                                                                 \
         float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
-        for (;;) {                                                                                               \
-            int64_t g0 = __atomic_load_n(next_group, __ATOMIC_RELAXED);                                          \
-            if (g0 >= groups) break;                                                                             \
-            int64_t chunk = (groups - g0) / (2 * nthreads);                                                      \
-            chunk = chunk < 1 ? 1 : chunk;                                                                       \
-            g0 = __atomic_fetch_add(next_group, chunk, __ATOMIC_RELAXED);                                        \
-            int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;                                              \
+        for (int64_t g0, g1; claim_groups(next_group, groups, nthreads, &g0, &g1);) {                            \
             for (int64_t g = g0; g < g1; g++) {                                                                  \
                 int64_t p0 = g * np;                                                                             \
                 int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                  \
