@@ -68,8 +68,8 @@ def npu_ops() -> KernelOps:
 def cpu_ops() -> KernelOps:
     """The native CPU kernels (``kernels/cpu``) for everything but ``rotary_cos_sin`` and prefill attention (SDPA's
     flash kernel over the new tokens is already one fused call); the projections over packed weights, and all
-    layers of a decode step in one call, only on AVX2 and AVX-512 CPUs (BLAS otherwise); the torch reference when the
-    library cannot be built. Attention keeps the reference's store/decode/prefill composition, with native store
+    layers of a decode step in one call, only on AVX2 and AVX-512 CPUs (BLAS otherwise); the torch reference when
+    the library cannot be built. Attention keeps the reference's store/decode/prefill composition, with native store
     and decode, so perf mode still times the two halves apart."""
     from kernels.cpu import load_library
 

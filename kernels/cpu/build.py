@@ -66,8 +66,8 @@ def build_level() -> str:
 def compiler_flags() -> list[str]:
     """-O3, plus per level: AVX2/FMA; the AVX-512 packed-weight linear, decode attention and fused decode
     (compiled for AVX-512 inside their own sections only; an AVX2 build has its own packed linear and fused
-    decode). Never -ffast-math, and no FMA contraction of
-    elementwise code, so rounding matches torch's eager ops (attention and linear use FMA explicitly).
+    decode). Never -ffast-math, and no FMA contraction of elementwise code, so rounding matches torch's eager ops
+    (attention and linear use FMA explicitly).
 
     bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``: on this VM's Xeon the
     dot-product version measured 16-23% slower from 16 rows (a scratch A/B of both builds in one process; that was

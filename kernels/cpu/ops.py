@@ -119,8 +119,7 @@ class NativeCPUOps:
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | PackedWeight:
         """``weight [N, K]`` as ``linear`` runs it fastest: packed panels on AVX2 and AVX-512 CPUs for the native
-        dtypes,
-        else the tensor itself (which ``linear`` hands to BLAS)."""
+        dtypes, else the tensor itself (which ``linear`` hands to BLAS)."""
         return next(self.pack_weights([weight]))
 
     def pack_weights(self, weights: list[torch.Tensor | None]) -> Iterator[torch.Tensor | PackedWeight]:
