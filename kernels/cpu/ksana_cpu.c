@@ -1275,14 +1275,16 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
 
 /* MR rows of the packed input (row m's k-th value at a[k * a_step + m]) x NP panels (`panel_len` apart), over
  * k in [k0, k1): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the
- * output (MR rows, the last panel's first `last_cols` columns, plus the bias). No software prefetch, unlike the
- * AVX-512 tiles: on an EPYC (Zen 3) the hardware prefetchers stream the panels alone, and the AVX-512 tiles'
- * two prefetches cost 25% of the time at 1 row, 13% at 4 and 6% at 16 (one-process A/B over smollm2's 120
- * projections). */
-#define DEFINE_PACKED_TILE_AVX2(SUF, T, MR, NP)                                                                  \
-    static void packed_tile_##SUF##_##MR##_##NP(const float *a, int64_t a_step, const T *w, int64_t panel_len,  \
-                                                int64_t k0, int64_t k1, int64_t K, float *part, const T *bias,   \
-                                                T *out, int64_t ldo, int last_cols) {                            \
+ * output (MR rows, the last panel's first `last_cols` columns, plus the bias). A tile does not prefetch its own
+ * panels, unlike the AVX-512 tiles: on an EPYC (Zen 3) the hardware prefetchers stream them alone, and the
+ * AVX-512 tiles' two prefetches cost 25% of the time at 1 row, 13% at 4 and 6% at 16 (one-process A/B over
+ * smollm2's 120 projections). With PF it prefetches lines of the block the thread streams next instead: line
+ * (k - k0) * pf_step / 2^16 of `pf` at each k, so a share of them goes evenly over its k (see packed_groups). */
+#define DEFINE_PACKED_TILE_AVX2(SUF, T, MR, NP, PF)                                                              \
+    static void packed_tile_##SUF##_##MR##_##NP##_##PF(const float *a, int64_t a_step, const T *w,               \
+                                                       int64_t panel_len, int64_t k0, int64_t k1, int64_t K,     \
+                                                       float *part, const T *bias, T *out, int64_t ldo,          \
+                                                       int last_cols, const T *pf, int64_t pf_step) {            \
         __m256 acc[MR][2 * NP];                                                                                  \
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                                     \
             _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NP; j++)                                             \
@@ -1290,6 +1292,7 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
         /* k unrolled by two: 0.88-0.96 of the time at 16 rows, 0.91 at 64, the same at 1 (one-process A/B) */  \
         _Pragma("GCC unroll 2") for (int64_t k = k0; k < k1; k++) {                                              \
             __m256 x[MR];                                                                                        \
+            if (PF) _mm_prefetch((const char *)(pf + ((k - k0) * pf_step >> 16) * PANEL), _MM_HINT_T0);          \
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) x[m] = _mm256_broadcast_ss(a + k * a_step + m); \
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
                 const T *wk = w + p * panel_len + k * PANEL;                                                     \
@@ -1314,22 +1317,25 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
             }                                                                                                    \
     }
 
+#define DEFINE_PACKED_TILES_AVX2_PF(SUF, T, PF)                                                                  \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 1, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 2, PF)                          \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 3, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 4, PF)                          \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 1, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 2, PF)                          \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 3, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 1, PF)                          \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 2, PF)
+#define PACKED_TILES_AVX2_ROWS(SUF, PF)                                                                          \
+    {NULL},                                                                                                      \
+    {NULL, packed_tile_##SUF##_1_1_##PF, packed_tile_##SUF##_1_2_##PF, packed_tile_##SUF##_1_3_##PF,             \
+     packed_tile_##SUF##_1_4_##PF},                                                                              \
+    {NULL, packed_tile_##SUF##_2_1_##PF, packed_tile_##SUF##_2_2_##PF, packed_tile_##SUF##_2_3_##PF, NULL},      \
+    {NULL, packed_tile_##SUF##_3_1_##PF, packed_tile_##SUF##_3_2_##PF, NULL, NULL},
 #define DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                         \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 1) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 2)                                  \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 3) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 4)                                  \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 1) DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 2)                                  \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 3) DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 1)                                  \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 2)                                                                        \
+    DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 0) DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 1)                                \
     typedef void (*packed_tile_##SUF##_fn)(const float *, int64_t, const T *, int64_t, int64_t, int64_t,         \
-                                           int64_t, float *, const T *, T *, int64_t, int);                      \
-    /* [rows][panels], for the shapes avx2_panels_per_group hands out (at most 12 accumulators) */               \
-    static const packed_tile_##SUF##_fn packed_tiles_##SUF[AVX2_MR + 1][5] = {                                   \
-        {NULL},                                                                                                  \
-        {NULL, packed_tile_##SUF##_1_1, packed_tile_##SUF##_1_2, packed_tile_##SUF##_1_3,                        \
-         packed_tile_##SUF##_1_4},                                                                               \
-        {NULL, packed_tile_##SUF##_2_1, packed_tile_##SUF##_2_2, packed_tile_##SUF##_2_3, NULL},                 \
-        {NULL, packed_tile_##SUF##_3_1, packed_tile_##SUF##_3_2, NULL, NULL},                                    \
-    };
+                                           int64_t, float *, const T *, T *, int64_t, int, const T *, int64_t);  \
+    /* [prefetching][rows][panels], for the shapes avx2_panels_per_group hands out (at most 12 accumulators) */  \
+    static const packed_tile_##SUF##_fn packed_tiles_##SUF[2][AVX2_MR + 1][5] = {                                \
+        {PACKED_TILES_AVX2_ROWS(SUF, 0)}, {PACKED_TILES_AVX2_ROWS(SUF, 1)}};
 
 /* The rows of one tile of the packed input (`rows`, up to ROW_TILE) in chunks of at most AVX2_MR, as even as
  * they go: chunk c is rows [rows * c / n, rows * (c + 1) / n) of n. */
@@ -1341,13 +1347,54 @@ static inline int avx2_panels_per_group(int64_t M) {
     return most >= 3 ? 2 : most == 2 ? 3 : 4;
 }
 
+/* The block of panels a thread streams after the current one, and how its row chunks share prefetching it:
+ * the group's next k block, or else the next group's first, which is the next of the thread's run or, at the
+ * run's end, the first group no thread has taken yet (likely the thread's own next claim). With fewer row
+ * chunks than panels (up to 4 rows) nothing is prefetched: there the hardware prefetchers keep up (see the
+ * tiles). `at` is the block's offset in elements from the first panel. */
+typedef struct {
+    int64_t at, panel_len, k, panels, per_panel; /* per_panel: chunks prefetching each panel's lines (0: none) */
+} avx2_next_block;
+static inline avx2_next_block avx2_next(int64_t g, int64_t g1, int64_t *next_group, int64_t groups, int np,
+                                        int64_t panels, int64_t panel_len, int64_t k1, int64_t K,
+                                        int64_t chunks) {
+    avx2_next_block next = {.panel_len = panel_len};
+    int64_t group = g;
+    if (k1 < K) {
+        next.at = g * np * panel_len + k1 * PANEL, next.k = K - k1;
+    } else {
+        group = g + 1 < g1 ? g + 1 : __atomic_load_n(next_group, __ATOMIC_RELAXED);
+        if (group >= groups) return next;
+        next.at = group * np * panel_len, next.k = K;
+    }
+    next.k = next.k < AVX2_KBLOCK ? next.k : AVX2_KBLOCK;
+    next.panels = panels - group * np < np ? panels - group * np : np;
+    next.per_panel = chunks / next.panels; /* each chunk prefetches at least 16 lines */
+    next.per_panel = next.per_panel < next.k / 16 ? next.per_panel : next.k / 16;
+    return next;
+}
+/* Row chunk `c`'s share of the next block (0: none): `*at` its first line, `*step` lines per k of a block of
+ * `k_len` as 16.16 fixed point. */
+static inline int avx2_prefetch_share(const avx2_next_block *next, int64_t c, int64_t k_len, int64_t *at,
+                                      int64_t *step) {
+    if (c >= next->per_panel * next->panels) return 0;
+    int64_t j = c % next->per_panel, l0 = next->k * j / next->per_panel, l1 = next->k * (j + 1) / next->per_panel;
+    *at = next->at + c / next->per_panel * next->panel_len + l0 * PANEL;
+    *step = ((l1 - l0) << 16) / k_len;
+    return 1;
+}
+
 #define DEFINE_PACKED_GROUPS(SUF, T)                                                                             \
     DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                             \
     /* The matmul over packed input `a` (pack_row's layout) for the calling thread, taking panel groups from     \
      * `next_group` in chunks as the AVX-512 packed_groups does. A group goes AVX2_KBLOCK values of k at a time: \
      * every row chunk passes over that block (in L1) before the next, the first one streaming it from memory,   \
      * so the stream runs beside the arithmetic, not before it (16 rows: 48 ms against 60 over smollm2's 120     \
-     * projections, each chunk over the whole group); the chunks' partial sums wait in `part`.                   \
+     * projections, each chunk over the whole group); the chunks' partial sums wait in `part`. Meanwhile the     \
+     * chunks prefetch the block the thread streams next (avx2_next), evenly over the block's work: else the     \
+     * first chunk stalls on memory and the rest run from L1 with memory idle (perf: the first, 2-row chunk had  \
+     * more samples than the two 3-row ones together). 16 rows: 0.80-0.88 of the time over smollm2's 120         \
+     * projections, 32 rows 0.89, 64 rows 0.97, the same at 1, 4 and 8 (one-process A/B, same bits).             \
      * `greedy` is the AVX-512 build's (this one computes logits; see packed_linear_greedy). */                  \
     static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
                                     int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
@@ -1359,6 +1406,7 @@ static inline int avx2_panels_per_group(int64_t M) {
         int64_t groups = (panels + np - 1) / np;                                                                 \
         /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
         int64_t chunks = (M + ROW_TILE - 1) / ROW_TILE * avx2_chunks(step), part_len = 12 * 8;                   \
+        int64_t all_chunks = M / step * avx2_chunks(step) + (M % step ? avx2_chunks(M % step) : 0);              \
         float small[3 * 12 * 8];                                                                                 \
         float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
         for (int64_t g0, g1; claim_groups(next_group, groups, nthreads, &g0, &g1);) {                            \
@@ -1370,13 +1418,19 @@ static inline int avx2_panels_per_group(int64_t M) {
                 const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
                 for (int64_t k0 = 0; k0 < K; k0 += AVX2_KBLOCK) {                                                \
                     int64_t k1 = k0 + AVX2_KBLOCK < K ? k0 + AVX2_KBLOCK : K;                                    \
+                    avx2_next_block next = avx2_next(g, g1, next_group, groups, np, panels, panel_len, k1, K,    \
+                                                     all_chunks);                                                \
                     float *pc = part;                                                                            \
+                    int64_t ci = 0; /* the chunk's index in this block */                                        \
                     for (int64_t t0 = 0; t0 < M; t0 += step) {                                                   \
                         int64_t rows = M - t0 < step ? M - t0 : step, n = avx2_chunks(rows);                     \
-                        for (int64_t c = 0; c < n; c++, pc += part_len) {                                        \
+                        for (int64_t c = 0; c < n; c++, ci++, pc += part_len) {                                  \
                             int64_t r0 = rows * c / n, r1 = rows * (c + 1) / n;                                  \
-                            packed_tiles_##SUF[r1 - r0][gp](a + t0 * K + r0, step, wg, panel_len, k0, k1, K, pc, \
-                                                            bg, out + (t0 + r0) * N + p0 * PANEL, N, cols);      \
+                            int64_t pf_at = 0, pf_step = 0;                                                      \
+                            int pf = avx2_prefetch_share(&next, ci, k1 - k0, &pf_at, &pf_step);                  \
+                            packed_tiles_##SUF[pf][r1 - r0][gp](a + t0 * K + r0, step, wg, panel_len, k0, k1, K, \
+                                                                pc, bg, out + (t0 + r0) * N + p0 * PANEL, N,     \
+                                                                cols, w + pf_at, pf_step);                       \
                         }                                                                                        \
                     }                                                                                            \
                 }                                                                                                \
