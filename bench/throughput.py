@@ -8,6 +8,12 @@ prompts at once and batches continuously. Output tokens/s counts each prompt's o
     python bench/throughput.py                 # smollm2: 64 prompts (32-256 in, 64-512 out), float32 and bfloat16
     python bench/throughput.py --quick         # a smaller run to check the script
     python bench/throughput.py --dtypes float32 --hf-batch-sizes 8,32,64
+    python bench/throughput.py --dtypes bfloat16 --hf-batch-sizes 32 --hf-batches 1 \
+        --out bench/results/throughput_bfloat16.json   # transformers on its first batch of 32 only
+
+``--hf-batches N`` runs ``transformers`` on its first N static batches only and counts the tokens/s over them:
+each static batch is an independent ``generate``, so its rate is the baseline's rate at that batch size, and on
+a CPU without bfloat16 arithmetic ``transformers`` in bfloat16 needs about 40 minutes for the whole workload.
 """
 
 from __future__ import annotations
@@ -53,12 +59,15 @@ def run_ksana(model: str, dtype: str, prompts, outputs) -> dict:
     return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed}
 
 
-def run_hf(model_dir: Path, dtype: torch.dtype, prompts, outputs, batch_size: int) -> dict:
+def run_hf(model_dir: Path, dtype: torch.dtype, prompts, outputs, batch_size: int,
+           max_batches: int | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=pad_id)
+    if max_batches is not None:  # the first static batches only (see the module docstring)
+        prompts, outputs = prompts[: max_batches * batch_size], outputs[: max_batches * batch_size]
     started = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
@@ -71,10 +80,12 @@ def run_hf(model_dir: Path, dtype: torch.dtype, prompts, outputs, batch_size: in
                            do_sample=False, pad_token_id=pad_id)
     elapsed = time.perf_counter() - started
     num_out = sum(outputs)
-    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed, "batch_size": batch_size}
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed, "batch_size": batch_size,
+            "num_prompts": len(prompts)}
 
 
-def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes) -> dict[str, dict]:
+def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes,
+            hf_batches: int | None = None) -> dict[str, dict]:
     """Every Ksana run first, then every ``transformers`` run on this (main) thread, as its users run it.
 
     The order matters on a small CPU: libgomp keeps an OpenMP pool for each thread that ran a parallel region and
@@ -90,7 +101,8 @@ def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes
     for dtype_name in dtype_names:
         hf = {}
         for bs in hf_batch_sizes:
-            hf[f"hf_batch_{bs}"] = run_hf(resolve_model_dir(model), getattr(torch, dtype_name), prompts, outputs, bs)
+            hf[f"hf_batch_{bs}"] = run_hf(resolve_model_dir(model), getattr(torch, dtype_name), prompts, outputs, bs,
+                                          hf_batches)
             print(f"{dtype_name}: transformers batch {bs} {hf[f'hf_batch_{bs}']['output_tok_s']:.1f} tok/s",
                   flush=True)
         baseline = max(hf.values(), key=lambda r: r["output_tok_s"])
@@ -114,8 +126,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 prompts, short outputs: checks the script")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--hf-batch-sizes", default="32,64", help="transformers' static batch sizes to try")
+    parser.add_argument("--hf-batches", type=int, default=None,
+                        help="run transformers on its first N static batches only (default: the whole workload)")
     parser.add_argument("--out", default=str(RESULTS / "throughput.json"))
     args = parser.parse_args()
+    if args.hf_batches is not None and args.hf_batches < 1:
+        parser.error(f"--hf-batches must be at least 1, got {args.hf_batches}")
     torch.manual_seed(0)
 
     from ksana.tokenizer import load_tokenizer
@@ -134,7 +150,8 @@ def main() -> None:
         "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    report |= run_all(args.model, args.dtypes.split(","), prompts, outputs, hf_batch_sizes)
+    report["hf_batches"] = args.hf_batches
+    report |= run_all(args.model, args.dtypes.split(","), prompts, outputs, hf_batch_sizes, args.hf_batches)
 
     hf_columns = "".join(f"{f'hf b{bs} tok/s':>15}" for bs in hf_batch_sizes)
     print(f"\n{'dtype':<10}{'prompts':>8}{'out tok':>9}{'ksana tok/s':>13}{hf_columns}{'ratio':>8}")
@@ -143,6 +160,8 @@ def main() -> None:
         hf_values = "".join(f"{r[f'hf_batch_{bs}']['output_tok_s']:>15.1f}" for bs in hf_batch_sizes)
         print(f"{dtype_name:<10}{r['num_prompts']:>8}{r['output_tokens']:>9}{r['ksana_output_tok_s']:>13.1f}"
               f"{hf_values}{r['ratio']:>7.2f}x")
+    if args.hf_batches is not None:
+        print(f"(transformers ran its first {args.hf_batches} static batch(es) at each size only: --hf-batches)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

@@ -1247,7 +1247,8 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
  * summation order is the same (one FMA per k, then the bias): both builds give the same bits. A decode step's
  * rows (and prefill's row tiles) go in chunks of up to 3 rows over each panel group, a block of k at a time (see
  * packed_groups). Against F.linear (MKL) over smollm2's 120 projections on an AVX2 EPYC (Zen 3, 2 threads, one
- * process): 1 row 20 ms against 56-70, 16 rows 37-50 against 108-139, 512 rows 115 GFLOP/s against 95. */
+ * process): 1 row 20 ms against 56-70, 16 rows 37-50 against 108-139 (28-38 since the row chunks prefetch the next
+ * block), 512 rows 115 GFLOP/s against 95. */
 #define AVX2_MR 3       /* input rows per tile */
 #define AVX2_KBLOCK 128 /* values of k per pass of the row chunks over a panel group (16 KiB of float32 in L1) */
 static inline __m256 w8_f32(const float *p) { return _mm256_loadu_ps(p); }
