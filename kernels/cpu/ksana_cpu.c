@@ -1250,7 +1250,13 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
  * process): 1 row 20 ms against 56-70, 16 rows 37-50 against 108-139 (28-38 since the row chunks prefetch the next
  * block), 512 rows 115 GFLOP/s against 95. */
 #define AVX2_MR 3       /* input rows per tile */
-#define AVX2_KBLOCK 128 /* values of k per pass of the row chunks over a panel group (16 KiB of float32 in L1) */
+/* Values of k per pass of the row chunks over a panel group (see packed_groups): with one chunk (up to 3 rows) it
+ * only sets how often the partial sums are saved; 4-8 rows 32 (4 KiB of a panel group's float32 in L1), 9-16 rows
+ * 64, more 128. Against 128 for all (one-process A/B over smollm2's 120 projections, with the chunks' prefetch):
+ * 32 at 4 / 6 / 8 rows 0.95 / 0.97 / 0.86-0.89, 64 at 16 rows 0.97 (32 there 1.05 of 64), 64 at 512 rows 1.07. */
+static inline int64_t avx2_kblock(int64_t M) {
+    return M < 4 ? 128 : M <= ROW_TILE ? 32 : M <= DECODE_ROWS ? 64 : 128;
+}
 static inline __m256 w8_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 w8_bf16(const bf16_t *p) { return load8_bf16(p); }
 /* Columns [0, cols) of one output row of a panel from its two halves plus the bias (`cols` values), rounded once
@@ -1358,7 +1364,7 @@ typedef struct {
 } avx2_next_block;
 static inline avx2_next_block avx2_next(int64_t g, int64_t g1, int64_t *next_group, int64_t groups, int np,
                                         int64_t panels, int64_t panel_len, int64_t k1, int64_t K,
-                                        int64_t chunks) {
+                                        int64_t kblock, int64_t chunks) {
     avx2_next_block next = {.panel_len = panel_len};
     int64_t group = g;
     if (k1 < K) {
@@ -1368,7 +1374,7 @@ static inline avx2_next_block avx2_next(int64_t g, int64_t g1, int64_t *next_gro
         if (group >= groups) return next;
         next.at = group * np * panel_len, next.k = K;
     }
-    next.k = next.k < AVX2_KBLOCK ? next.k : AVX2_KBLOCK;
+    next.k = next.k < kblock ? next.k : kblock;
     next.panels = panels - group * np < np ? panels - group * np : np;
     next.per_panel = chunks / next.panels; /* each chunk prefetches at least 16 lines */
     next.per_panel = next.per_panel < next.k / 16 ? next.per_panel : next.k / 16;
@@ -1388,7 +1394,7 @@ static inline int avx2_prefetch_share(const avx2_next_block *next, int64_t c, in
 #define DEFINE_PACKED_GROUPS(SUF, T)                                                                             \
     DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                             \
     /* The matmul over packed input `a` (pack_row's layout) for the calling thread, taking panel groups from     \
-     * `next_group` in chunks as the AVX-512 packed_groups does. A group goes AVX2_KBLOCK values of k at a time: \
+     * `next_group` in chunks as the AVX-512 packed_groups does. A group goes avx2_kblock values of k at a time: \
      * every row chunk passes over that block (in L1) before the next, the first one streaming it from memory,   \
      * so the stream runs beside the arithmetic, not before it (16 rows: 48 ms against 60 over smollm2's 120     \
      * projections, each chunk over the whole group); the chunks' partial sums wait in `part`. Meanwhile the     \
@@ -1408,6 +1414,7 @@ static inline int avx2_prefetch_share(const avx2_next_block *next, int64_t c, in
         /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
         int64_t chunks = (M + ROW_TILE - 1) / ROW_TILE * avx2_chunks(step), part_len = 12 * 8;                   \
         int64_t all_chunks = M / step * avx2_chunks(step) + (M % step ? avx2_chunks(M % step) : 0);              \
+        int64_t kblock = avx2_kblock(M);                                                                         \
         float small[3 * 12 * 8];                                                                                 \
         float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
         for (int64_t g0, g1; claim_groups(next_group, groups, nthreads, &g0, &g1);) {                            \
@@ -1417,10 +1424,10 @@ static inline int avx2_prefetch_share(const avx2_next_block *next, int64_t c, in
                 int cols = p0 + gp == panels ? last_cols : PANEL;                                                \
                 const T *wg = w + p0 * panel_len;                                                                \
                 const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
-                for (int64_t k0 = 0; k0 < K; k0 += AVX2_KBLOCK) {                                                \
-                    int64_t k1 = k0 + AVX2_KBLOCK < K ? k0 + AVX2_KBLOCK : K;                                    \
+                for (int64_t k0 = 0; k0 < K; k0 += kblock) {                                                     \
+                    int64_t k1 = k0 + kblock < K ? k0 + kblock : K;                                              \
                     avx2_next_block next = avx2_next(g, g1, next_group, groups, np, panels, panel_len, k1, K,    \
-                                                     all_chunks);                                                \
+                                                     kblock, all_chunks);                                        \
                     float *pc = part;                                                                            \
                     int64_t ci = 0; /* the chunk's index in this block */                                        \
                     for (int64_t t0 = 0; t0 < M; t0 += step) {                                                   \
