@@ -54,6 +54,7 @@ def run_ksana(model: str, dtype: str, prompts, outputs) -> dict:
     started = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
+    llm.engine.close()  # its forward thread and that thread's OpenMP pool end here (see run_all)
     num_out = sum(len(r.outputs[0].token_ids) for r in results)
     assert num_out == sum(outputs), "every request must produce exactly its requested tokens"
     return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed}
@@ -90,8 +91,9 @@ def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes
 
     The order matters on a small CPU: libgomp keeps an OpenMP pool for each thread that ran a parallel region and
     throttles them all once they outnumber the CPUs (see ksana/worker/fresh_thread.py), so a Ksana run after
-    ``transformers`` had run here would be slowed by this thread's pool. Ksana's own idle worker thread keeps its
-    pool for trio's 10 s thread-cache timeout, i.e. only the first seconds of the first ``transformers`` run."""
+    ``transformers`` had run here would be slowed by this thread's pool. Each Ksana run closes its engine, whose
+    forward thread ends with its pool, so the ``transformers`` runs have the CPUs' pools to themselves. (Before
+    session 14 that thread outlived its engine, and every ``transformers`` run here ran beside its idle pool.)"""
     ksana = {}
     for dtype_name in dtype_names:
         print(f"{dtype_name}: ksana ...", flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -25,8 +26,9 @@ class BlockingLane:
     """Runs ``await lane.run(fn, *args)`` (or ``lane.submit``) on its own thread, one call at a time, in the order
     they come.
 
-    The thread starts with the first call and ends with ``close()`` (it is a daemon, so a lane never left open
-    keeps the process alive). As ``trio.to_thread.run_sync``, a call cannot be cancelled once it runs: ``run``'s
+    The thread starts with the first call and ends with ``close()``, or once the lane itself is dropped: the thread
+    holds the queue, not the lane, so an engine dropped without ``close()`` frees its model and ends its thread
+    (with the thread's OpenMP pool). It is a daemon, so a lane never left open keeps the process alive. As ``trio.to_thread.run_sync``, a call cannot be cancelled once it runs: ``run``'s
     caller waits for it, so the work never outlives the caller unobserved; ``submit``'s caller owns that wait (the
     worker actor drains its queued steps when the loop stops). Under an autojumping ``MockClock`` the call runs
     inline, as ``events.run_blocking`` does, so that virtual time does not jump while the thread works.
@@ -37,6 +39,7 @@ class BlockingLane:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        weakref.finalize(self, self._jobs.put, None)  # a dropped lane ends its thread (see the class docstring)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -79,12 +82,15 @@ class BlockingLane:
     def _start(self) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
                 self._thread.start()
 
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
+
+def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """A lane's thread: the queued calls until a None (``close()``, or the lane dropped)."""
+    while (job := jobs.get()) is not None:
+        job()
+        job = None  # an idle thread must not keep its last call's work (a model, a KV cache) alive
 
 
 class LaneCall(Generic[T]):

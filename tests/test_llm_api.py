@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import pytest
 
@@ -127,6 +128,19 @@ def test_every_forward_runs_on_the_engines_one_forward_thread(llm):
         del runner.execute
     assert len(threads) >= 6 and set(threads) == {llm.engine.forward_lane.thread}
     assert threads[0].name == "ksana-forward" and threads[0] is not threading.main_thread()
+
+
+def test_an_llm_dropped_without_closing_frees_its_model_and_ends_its_forward_thread():
+    """Scripts, tests and benchmarks build one engine after another: a dropped one must not keep its weights, its
+    KV cache and an idle thread (with that thread's OpenMP pool) for the rest of the process."""
+    llm = LLM(model="demo", block_token_num=8)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    model, kv_cache = weakref.ref(llm.engine.model), weakref.ref(llm.engine.kv_cache)
+    thread = llm.engine.forward_lane.thread
+    del llm
+    gc.collect()  # a finished loop's actors and the engine's parts refer to each other
+    thread.join(timeout=60)  # returns at once when the thread ends; the timeout only bounds a failure
+    assert model() is None and kv_cache() is None and not thread.is_alive()
 
 
 def test_start_up_objects_are_frozen_out_of_the_collectors_sight():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 
 import pytest
 import trio
@@ -122,6 +123,24 @@ def test_close_ends_the_thread_and_a_later_call_starts_another():
     lane.close()
     assert second is not first and not second.is_alive()
     lane.close()  # closing a closed lane does nothing
+
+
+def test_a_lane_dropped_without_close_ends_its_thread_and_frees_its_last_call():
+    """What an engine dropped without ``close()`` relies on: its lane's idle thread must not keep the lane, nor the
+    work of the last call (a runner, a model), alive."""
+
+    class Work:
+        def __call__(self) -> int:
+            return 7
+
+    work = Work()
+    last_call_work = weakref.ref(work)
+    lane = BlockingLane("test-lane")
+    assert trio.run(lane.run, work) == 7
+    thread = lane.thread
+    del lane, work
+    thread.join(timeout=60)  # returns at once when the thread ends; the timeout only bounds a failure
+    assert not thread.is_alive() and last_call_work() is None
 
 
 def test_under_an_autojumping_mock_clock_calls_run_inline():
