@@ -28,10 +28,11 @@ class BlockingLane:
 
     The thread starts with the first call and ends with ``close()``, or once the lane itself is dropped: the thread
     holds the queue, not the lane, so an engine dropped without ``close()`` frees its model and ends its thread
-    (with the thread's OpenMP pool). It is a daemon, so a lane never left open keeps the process alive. As ``trio.to_thread.run_sync``, a call cannot be cancelled once it runs: ``run``'s
-    caller waits for it, so the work never outlives the caller unobserved; ``submit``'s caller owns that wait (the
-    worker actor drains its queued steps when the loop stops). Under an autojumping ``MockClock`` the call runs
-    inline, as ``events.run_blocking`` does, so that virtual time does not jump while the thread works.
+    (with the thread's OpenMP pool). It is a daemon, so a lane never left open keeps the process alive. As
+    ``trio.to_thread.run_sync``, a call cannot be cancelled once it runs: ``run``'s caller waits for it, so the work
+    never outlives the caller unobserved; ``submit``'s caller owns that wait (the worker actor drains its queued
+    steps when the loop stops). Under an autojumping ``MockClock`` the call runs inline, as ``events.run_blocking``
+    does, so that virtual time does not jump while the thread works.
     """
 
     def __init__(self, name: str) -> None:
