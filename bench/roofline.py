@@ -166,8 +166,9 @@ def measure_matmul_rate(n: int, repeats: int) -> dict[str, Any]:
 def measure_streamed_matmul(mib: int, in_features: int, rows: int, repeats: int) -> dict[str, Any]:
     """Weight bytes/s of the engine's CPU projection (``lm_head`` of ``get_ops("cpu")``: the packed AVX2 or
     AVX-512 kernel where it runs, BLAS otherwise) over one ``mib`` MiB float32 weight with ``in_features``
-    columns, at ``rows`` input rows; best of repeats. At the default 512 MiB the weight is larger than the L3 of the VMs measured (32
-    and 260 MB), so every pass streams it from memory (``--quick``'s 64 MiB only checks the script)."""
+    columns, at ``rows`` input rows; best of repeats. At the default 512 MiB the weight is larger than the L3 of
+    the VMs measured (32 and 260 MB), so every pass streams it from memory (``--quick``'s 64 MiB only checks the
+    script)."""
     ops = get_ops("cpu")
     weight = torch.randn(mib * 2**20 // (4 * in_features), in_features) * 0.02
     nbytes = weight.numel() * 4

@@ -1412,9 +1412,8 @@ static inline int avx2_prefetch_share(const avx2_next_block *next, int64_t c, in
         int np = avx2_panels_per_group(M);                                                                       \
         int64_t groups = (panels + np - 1) / np;                                                                 \
         /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
-        int64_t chunks = (M + ROW_TILE - 1) / ROW_TILE * avx2_chunks(step), part_len = 12 * 8;                   \
-        int64_t all_chunks = M / step * avx2_chunks(step) + (M % step ? avx2_chunks(M % step) : 0);              \
-        int64_t kblock = avx2_kblock(M);                                                                         \
+        int64_t chunks = M / step * avx2_chunks(step) + (M % step ? avx2_chunks(M % step) : 0);                  \
+        int64_t part_len = 12 * 8, kblock = avx2_kblock(M);                                                      \
         float small[3 * 12 * 8];                                                                                 \
         float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
         for (int64_t g0, g1; claim_groups(next_group, groups, nthreads, &g0, &g1);) {                            \
@@ -1427,7 +1426,7 @@ static inline int avx2_prefetch_share(const avx2_next_block *next, int64_t c, in
                 for (int64_t k0 = 0; k0 < K; k0 += kblock) {                                                     \
                     int64_t k1 = k0 + kblock < K ? k0 + kblock : K;                                              \
                     avx2_next_block next = avx2_next(g, g1, next_group, groups, np, panels, panel_len, k1, K,    \
-                                                     kblock, all_chunks);                                        \
+                                                     kblock, chunks);                                            \
                     float *pc = part;                                                                            \
                     int64_t ci = 0; /* the chunk's index in this block */                                        \
                     for (int64_t t0 = 0; t0 < M; t0 += step) {                                                   \
