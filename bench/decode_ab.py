@@ -80,15 +80,15 @@ def _same_bits(builds: dict[str, NativeCPUOps], step: tuple) -> bool:
     """Both builds on the captured step, each from the same cache rows: equal hidden states and residual, and
     equal K/V rows written at the step's slots."""
     model, hidden, cos, sin, meta = step
-    caches = [c.view(-1, c.shape[-2] * c.shape[-1]) for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
-    slots = meta.slot_mapping
-    saved = [c[slots].clone() for c in caches]
+    caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
+    at = (meta.slot_mapping // meta.block_size, meta.slot_mapping % meta.block_size)  # either cache layout
+    saved = [c[at].clone() for c in caches]
     results = {}
     for tag, ops in builds.items():
         for cache, rows in zip(caches, saved, strict=True):
-            cache[slots] = rows
+            cache[at] = rows
         out = ops.decode_layers(model, hidden.clone(), cos, sin, meta)
-        results[tag] = [t.clone() for t in out] + [c[slots].clone() for c in caches]
+        results[tag] = [t.clone() for t in out] + [c[at].clone() for c in caches]
     return all(torch.equal(x, y) for x, y in zip(results["a"], results["b"], strict=True))
 
 

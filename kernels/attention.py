@@ -2,6 +2,8 @@
 
 The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``; a
 sequence's keys live in the blocks its block table names, token ``p`` at slot ``block_table[p // B] * B + p % B``.
+A cache may be a head-major view (each block ``[num_kv_heads, block_size, head_dim]`` in memory, see ``KVCache``):
+these functions take either.
 Masks follow Hugging Face: a query at position ``p`` sees keys at ``k <= p``, and with a sliding window ``W``
 only ``p - W < k <= p`` (``transformers.masking_utils.sliding_window_overlay``).
 
@@ -32,14 +34,22 @@ def store_kv_cache(
     """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into the cache slots ``slot_mapping`` ``[T]``."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     slots = slot_mapping.long()
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        if cache.is_contiguous():
+            cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, rows)
+        else:
+            cache[slots // block_size, slots % block_size] = rows
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """``cache[block_ids]`` flattened per block; an embedding lookup is several times faster than advanced
-    indexing on CPU (one contiguous row copy per block)."""
-    return F.embedding(block_ids, cache.view(cache.shape[0], -1))
+    """``cache[block_ids]`` flattened per block (slot-major); an embedding lookup is several times faster than
+    advanced indexing on CPU (one contiguous row copy per block). A head-major cache's blocks are gathered as
+    they lie, then put in slot order."""
+    if cache.is_contiguous():
+        return F.embedding(block_ids, cache.view(cache.shape[0], -1))
+    blocks = F.embedding(block_ids, cache.transpose(1, 2).reshape(cache.shape[0], -1))
+    heads_first = blocks.view(*block_ids.shape, cache.shape[2], cache.shape[1], cache.shape[3])
+    return heads_first.transpose(-3, -2).reshape(*block_ids.shape, -1)
 
 
 def _window_blocks(sliding_window: int, block_size: int) -> int:

@@ -100,5 +100,6 @@ def cpu_ops() -> KernelOps:
         paged_decode_attention=native.paged_decode_attention,
         paged_prefill_attention=attention.paged_prefill_attention,
         greedy_logprobs=native.greedy_logprobs,
+        kv_head_major=True,
         **(projections if native.has_linear else {}),
     )

@@ -58,6 +58,9 @@ class KernelOps:
     # ``(kernels.cpu.ops.DecodeLayers, hidden, cos, sin, meta) -> (hidden, residual) | None`` (None: not this
     # step; run the layers one by one). A timed copy drops it, so perf mode times every op.
     decode_layers: Callable | None = attrs.field(repr=False, default=None)
+    # The KV cache layout these kernels read fastest: head-major blocks (see ``KVCache``) or slot-major. Every op
+    # takes either; the engine allocates this one.
+    kv_head_major: bool = False
     # ``(weights [N, K] ...) -> what the projections (and ``embedding``) take, one per weight``: a backend's
     # preferred layout, made once after loading (the native CPU matmul's packed panels, back to back in the order
     # given). None: the projections take the tensors as they are.

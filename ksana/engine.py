@@ -112,7 +112,8 @@ class InferenceEngine:
         sliding_window = max(windows) if use_swa_pool else None
         num_swa_blocks = (config.setting.block_manager.num_swa_blocks or num_blocks) if use_swa_pool else 0
         self.kv_cache = run_in_fresh_thread(KVCache.allocate, kv_shape, num_blocks, block_size, self.dtype,
-                                            self.device, num_swa_blocks=num_swa_blocks)
+                                            self.device, num_swa_blocks=num_swa_blocks,
+                                            head_major=self.model.kv_head_major)
         logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)%s", num_blocks, block_size,
                     num_blocks * block_size, num_blocks * bytes_per_block / 2**20,
                     f", {num_swa_blocks} SWA blocks" if num_swa_blocks else "")

@@ -150,3 +150,11 @@ def test_start_up_objects_are_frozen_out_of_the_collectors_sight():
     engine = LLM(model="demo", block_token_num=8).engine
     assert gc.get_freeze_count() > 0
     assert gc.is_tracked(engine.model) and not any(o is engine.model for o in gc.get_objects())
+
+
+def test_the_engine_allocates_the_kv_cache_layout_its_kernels_ask_for(llm):
+    model = llm.engine.model
+    assert model.kv_head_major == (model.ops.name == "cpu-native")
+    k_cache, v_cache = llm.engine.kv_cache.layers[0]
+    assert k_cache.transpose(1, 2).is_contiguous() == model.kv_head_major != k_cache.is_contiguous()
+    assert v_cache.stride() == k_cache.stride()

@@ -140,15 +140,16 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
 #define DECODE_PREFETCH_NEAR 4
 #define DEFINE_DECODE_AVX2(SUF, T)                                                                              \
     static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache, const int64_t *kv_rows, \
-                                       int64_t n, int64_t group, int64_t head_group, int64_t dim, float scale,  \
-                                       float *scores, float *acc, T *out, float *part) {                         \
+                                       int64_t n, int64_t group, int64_t head_group, int64_t dim,               \
+                                       int64_t head_stride, float scale, float *scores, float *acc, T *out,     \
+                                       float *part) {                                                            \
         float maxs[group], sums[group];                                                                          \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;                                                 \
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
             int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
             for (int64_t g = 0; g < group; g++) {                                                                \
                 const float *qg = qf + g * dim;                                                                  \
-                const T *kc = k_cache + (g / head_group) * dim; /* this head's KV head within the row */         \
+                const T *kc = k_cache + (g / head_group) * head_stride; /* this head's KV head */                 \
                 float *sg = scores + g * n;                                                                      \
                 __m256 vmax = _mm256_set1_ps(-INFINITY);                                                         \
                 int64_t i = t0;                                                                                  \
@@ -216,7 +217,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
             int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
             for (int64_t g = 0; g < group; g++) {                                                                \
                 const float *sg = scores + g * n;                                                                \
-                const T *vc = v_cache + (g / head_group) * dim;                                                  \
+                const T *vc = v_cache + (g / head_group) * head_stride;                                          \
                 for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                       \
                     int64_t chunks = (dim - d0 < 64 ? dim - d0 : 64) / 8;                                        \
                     float *ag = acc + g * dim + d0;                                                              \
@@ -374,8 +375,8 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     DEFINE_GQA_BLOCKS(SUF, T, 4)                                                                                 \
     static void decode_task_avx512_##SUF(const float *qf, const T *k_cache, const T *v_cache,                    \
                                          const int64_t *kv_rows, int64_t n, int64_t group, int64_t head_group,   \
-                                         int64_t dim, float scale, float *scores, float *acc, T *out,            \
-                                         float *part) {                                                          \
+                                         int64_t dim, int64_t head_stride, float scale, float *scores,           \
+                                         float *acc, T *out, float *part) {                                      \
         float maxs[group], sums[group];                                                                          \
         __m128 vmax[group];                                                                                      \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY, vmax[g] = _mm_set1_ps(-INFINITY);               \
@@ -384,7 +385,7 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
             for (int64_t g0 = 0; g0 < group;) {                                                                  \
                 int64_t h = g0 / head_group, g_end = (h + 1) * head_group; /* heads g0.. share KV head h */      \
                 int qb = (int)(g_end - g0 < 4 ? g_end - g0 : 4);                                                 \
-                const T *kc = k_cache + h * dim;                                                                 \
+                const T *kc = k_cache + h * head_stride;                                                         \
                 const float *qg = qf + g0 * dim;                                                                 \
                 float *sg = scores + g0 * n;                                                                     \
                 int64_t i = t0;                                                                                  \
@@ -444,7 +445,7 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
             for (int64_t g0 = 0; g0 < group;) {                                                                  \
                 int64_t h = g0 / head_group, g_end = (h + 1) * head_group;                                       \
                 int qb = (int)(g_end - g0 < 4 ? g_end - g0 : 4);                                                 \
-                const T *vc = v_cache + h * dim;                                                                 \
+                const T *vc = v_cache + h * head_stride;                                                         \
                 for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                       \
                     int chunks = (int)((dim - d0 < 64 ? dim - d0 : 64) / 16);                                    \
                     const float *sg = scores + g0 * n;                                                           \
@@ -557,12 +558,14 @@ static inline __m256 silu8(__m256 g) {
  * thread count, not on which thread runs a task, so any thread may run any task with the same result. */
 typedef struct {
     int64_t group, row, kv_per_task, tasks_per_seq, heads_per_task, whole_tasks, splits, part_len;
+    int64_t slot_stride, head_stride; /* the cache's layout (see store_kv) */
     int parallel; /* worth waking the other threads for */
 } decode_plan;
 
 static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t nheads, int64_t nkv, int64_t dim,
-                               int64_t window, int nthreads) {
-    decode_plan plan = {.group = nheads / nkv, .row = nkv * dim};
+                               int64_t window, int64_t slot_stride, int64_t head_stride, int nthreads) {
+    decode_plan plan = {.group = nheads / nkv, .row = nkv * dim, .slot_stride = slot_stride,
+                        .head_stride = head_stride};
     int64_t positions = 0, longest = 0;
     for (int64_t b = 0; b < batch; b++) {
         int64_t n = (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];
@@ -656,24 +659,31 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
         for (int64_t i = 0; i < rows; i++) silu_and_mul_row_##SUF(x + i * x_stride, out + i * d, d);             \
     }                                                                                                            \
                                                                                                                  \
-    /* Copy each token's K/V row (num_kv_heads * head_dim values) into its cache slot. */                        \
+    /* Copy each token's K/V heads (num_kv_heads x head_dim values) into its cache slot. A block holds          \
+     * block_size x nkv x dim values; within it slot s's KV head h starts at s * slot_stride + h * head_stride:  \
+     * (nkv * dim, dim) slot-major, (dim, block_size * dim) head-major (see ksana/worker/kv_cache.py). */        \
     void store_kv_##SUF(const T *key, int64_t key_stride, const T *value, int64_t value_stride, T *k_cache,     \
-                        T *v_cache, const int64_t *slots, int64_t ntok, int64_t row) {                          \
+                        T *v_cache, const int64_t *slots, int64_t ntok, int64_t nkv, int64_t dim,               \
+                        int64_t block_size, int64_t slot_stride, int64_t head_stride) {                         \
         for (int64_t t = 0; t < ntok; t++) {                                                                     \
-            memcpy(k_cache + slots[t] * row, key + t * key_stride, sizeof(T) * row);                             \
-            memcpy(v_cache + slots[t] * row, value + t * value_stride, sizeof(T) * row);                         \
+            int64_t at = slots[t] / block_size * block_size * nkv * dim + slots[t] % block_size * slot_stride;   \
+            for (int64_t h = 0; h < nkv; h++) {                                                                  \
+                memcpy(k_cache + at + h * head_stride, key + t * key_stride + h * dim, sizeof(T) * dim);         \
+                memcpy(v_cache + at + h * head_stride, value + t * value_stride + h * dim, sizeof(T) * dim);     \
+            }                                                                                                    \
         }                                                                                                        \
     }                                                                                                            \
                                                                                                                  \
     /* One decode task in portable C (same layout as the AVX2 one): the fallback for other CPUs and head sizes. */\
     static void decode_task_scalar_##SUF(const float *qf, const T *k_cache, const T *v_cache,                   \
                                          const int64_t *kv_rows, int64_t n, int64_t group, int64_t head_group,   \
-                                         int64_t dim, float scale, float *scores, float *acc, T *out,            \
-                                         float *part) {                                                          \
+                                         int64_t dim, int64_t head_stride, float scale, float *scores,           \
+                                         float *acc, T *out, float *part) {                                      \
         float maxs[group], sums[group];                                                                          \
         for (int64_t g = 0; g < group; g++) {                                                                    \
             const float *qg = qf + g * dim;                                                                      \
-            const T *kc = k_cache + (g / head_group) * dim, *vc = v_cache + (g / head_group) * dim;              \
+            const T *kc = k_cache + (g / head_group) * head_stride;                                              \
+            const T *vc = v_cache + (g / head_group) * head_stride;                                              \
             float *sg = scores + g * n, m = -INFINITY, sum = 0.f;                                                \
             for (int64_t i = 0; i < n; i++) {                                                                    \
                 const T *k = kc + kv_rows[i];                                                                    \
@@ -723,7 +733,7 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
         int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                                 \
         float *acc = (float *)malloc(sizeof(float) * heads_per_task * dim);                                      \
         for (int64_t i = 0, blk = first / block_size, off = first % block_size; i < n; i++) {                    \
-            kv_rows[i] = (table[blk] * block_size + off) * plan->row + kv0 * dim; /* no division per position */ \
+            kv_rows[i] = table[blk] * block_size * plan->row + off * plan->slot_stride + kv0 * plan->head_stride; \
             if (++off == block_size) off = 0, blk++;                                                             \
         }                                                                                                        \
         const T *qh = q + b * q_stride + kv0 * group * dim;                                                      \
@@ -731,14 +741,14 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
         T *o = out + (b * nheads + kv0 * group) * dim;                                                           \
         float *part = parts ? parts + task * plan->part_len : NULL;                                              \
         if (DECODE_AVX512 && dim % 16 == 0)                                                                      \
-            DECODE_TASK_AVX512(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale, scores, \
-                                    acc, o, part);                                                               \
+            DECODE_TASK_AVX512(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim,                \
+                                    plan->head_stride, scale, scores, acc, o, part);                             \
         else if (DECODE_AVX2 && dim % 8 == 0)                                                                    \
-            DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale, scores,   \
-                                  acc, o, part);                                                                 \
+            DECODE_TASK_AVX2(SUF)(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim,                  \
+                                  plan->head_stride, scale, scores, acc, o, part);                               \
         else                                                                                                     \
-            decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim, scale,        \
-                                     scores, acc, o, part);                                                      \
+            decode_task_scalar_##SUF(qf, k_cache, v_cache, kv_rows, n, heads_per_task, group, dim,               \
+                                     plan->head_stride, scale, scores, acc, o, part);                            \
         free(qf);                                                                                                \
         free(scores);                                                                                            \
         free(kv_rows);                                                                                           \
@@ -775,8 +785,10 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
     void paged_decode_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                    \
                             const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, T *out,  \
                             int64_t batch, int64_t nheads, int64_t nkv, int64_t dim, int64_t block_size,         \
-                            float scale, int64_t window, int nthreads) {                                         \
-        decode_plan plan = plan_decode(seq_lens, batch, nheads, nkv, dim, window, nthreads);                     \
+                            int64_t slot_stride, int64_t head_stride, float scale, int64_t window,               \
+                            int nthreads) {                                                                      \
+        decode_plan plan = plan_decode(seq_lens, batch, nheads, nkv, dim, window, slot_stride, head_stride,      \
+                                       nthreads);                                                                \
         int64_t tasks = plan.whole_tasks * plan.splits;                                                          \
         float *parts = plan.splits > 1 ? (float *)malloc(sizeof(float) * tasks * plan.part_len) : NULL;          \
         _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (plan.parallel)")                \
@@ -1613,13 +1625,14 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
         rotary_token_##SUF(qkv + (b) * qkv_n, cos + (b) * dim, sin + (b) * dim, qk + (b) * (q + kv),             \
                            nheads + nkv, dim);                                                                   \
         store_kv_##SUF(qk + (b) * (q + kv) + q, q + kv, qkv + (b) * qkv_n + q + kv, qkv_n, k_cache, v_cache,     \
-                       slots + (b), 1, kv);                                                                      \
+                       slots + (b), 1, nkv, dim, block_size, slot_stride, head_stride);                          \
     } while (0)
 #define DEFINE_DECODE_LAYERS(SUF, T)                                                                            \
     void decode_layers_##SUF(const int64_t *table, const int64_t *windows, int64_t nlayers, T *h, T *residual,  \
                              int64_t M, int64_t hidden, int64_t nheads, int64_t nkv, int64_t dim, int64_t inter, \
                              const T *cos, const T *sin, const int64_t *slots, const int64_t *block_tables,     \
-                             int64_t table_stride, const int64_t *seq_lens, int64_t block_size, float eps,      \
+                             int64_t table_stride, const int64_t *seq_lens, int64_t block_size,                 \
+                             int64_t slot_stride, int64_t head_stride, float eps,                               \
                              float scale, int nthreads) {                                                        \
         int64_t q = nheads * dim, kv = nkv * dim, qkv_n = q + 2 * kv;                                            \
         int64_t k_most = hidden > q ? hidden : q;                                                                \
@@ -1634,7 +1647,8 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
         int64_t *next_work = (int64_t *)calloc(5 * nlayers, sizeof(int64_t));                                    \
         int64_t parts_len = 0; /* split attention tasks' partial results: room for the layer that needs most */  \
         for (int64_t l = 0; l < nlayers; l++) {                                                                  \
-            decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], nthreads);                 \
+            decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], slot_stride, head_stride,  \
+                                           nthreads);                                                            \
             int64_t len = plan.splits > 1 ? plan.whole_tasks * plan.splits * plan.part_len : 0;                  \
             parts_len = len > parts_len ? len : parts_len;                                                       \
         }                                                                                                        \
@@ -1672,7 +1686,8 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                 team_wait(&barrier, nth, &sense);                                                                \
                 packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth, NULL);              \
                 team_wait(&barrier, nth, &sense);                                                                \
-                decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], nthreads);             \
+                decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], slot_stride,           \
+                                               head_stride, nthreads);                                           \
                 int whole_seqs = plan.kv_per_task == nkv && plan.splits == 1; /* a task is a whole sequence */   \
                 if (!whole_seqs) { /* tasks share sequences: rotary and KV store first */                        \
                     for (int64_t i = 0; i < nmine; i++) ROTATE_AND_STORE(SUF, mine[i]);                          \

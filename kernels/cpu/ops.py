@@ -87,8 +87,11 @@ class NativeCPUOps:
                 and meta.block_tables.dtype == meta.seq_lens.dtype == meta.slot_mapping.dtype == torch.int64):
             return None
         layers = model.layers
+        layout = _cache_layout(layers[0].k_cache, layers[0].v_cache)
+        if layout is None:
+            return None
         if self._table_of is None or self._table_of[0]() is not model:
-            if not all(_decode_layer_ok(layer, hidden.dtype) for layer in layers):
+            if not all(_decode_layer_ok(layer, hidden.dtype, layout) for layer in layers):
                 return None
             table = torch.tensor([a for layer in layers for a in layer.addresses()], dtype=torch.int64)
             windows = torch.tensor([layer.sliding_window or 0 for layer in layers], dtype=torch.int64)
@@ -101,7 +104,7 @@ class NativeCPUOps:
             table.data_ptr(), windows.data_ptr(), len(layers), hidden.data_ptr(), residual.data_ptr(), rows,
             model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size,
             cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), meta.seq_lens.data_ptr(), meta.block_size, model.eps, model.scale,
+            block_tables.stride(0), meta.seq_lens.data_ptr(), meta.block_size, *layout, model.eps, model.scale,
             torch.get_num_threads())
         return hidden, residual
 
@@ -241,22 +244,23 @@ class NativeCPUOps:
 
     def store_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
+        layout = _cache_layout(k_cache, v_cache)
         if not (_heads_ok(key) and _heads_ok(value) and key.dtype == value.dtype == k_cache.dtype
-                and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
-                and slot_mapping.is_contiguous()):
+                and layout is not None and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
             return attention.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         num_tokens, num_kv_heads, head_dim = key.shape
         self._fns["store_kv", key.dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                          k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens,
-                                         num_kv_heads * head_dim)
+                                         num_kv_heads, head_dim, k_cache.shape[1], *layout)
         return None
 
     def paged_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
-        if not (_heads_ok(query) and query.dtype == k_cache.dtype and k_cache.is_contiguous()
-                and v_cache.is_contiguous() and block_tables.dtype == seq_lens.dtype == torch.int64
-                and block_tables.stride(-1) == 1 and seq_lens.is_contiguous()):
+        layout = _cache_layout(k_cache, v_cache)
+        if not (_heads_ok(query) and query.dtype == k_cache.dtype and layout is not None
+                and block_tables.dtype == seq_lens.dtype == torch.int64 and block_tables.stride(-1) == 1
+                and seq_lens.is_contiguous()):
             return attention.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                                     sliding_window, max_seq_len)
         batch, num_heads, head_dim = query.shape
@@ -265,15 +269,33 @@ class NativeCPUOps:
         self._fns["paged_decode", query.dtype](
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-            block_size, scale, sliding_window or 0, torch.get_num_threads())
+            block_size, *layout, scale, sliding_window or 0, torch.get_num_threads())
         return out
 
 
-def _decode_layer_ok(layer: DecodeLayerWeights, dtype: torch.dtype) -> bool:
+def _decode_layer_ok(layer: DecodeLayerWeights, dtype: torch.dtype, layout: tuple[int, int]) -> bool:
+    """Packed projections, contiguous weights of ``dtype``, and caches of the first layer's layout (the C table
+    has one layout for all)."""
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    tensors = [_storage(t) for t in attrs.astuple(layer, recurse=False)[:-1] if t is not None]
+    weights = [_storage(t) for t in attrs.astuple(layer, recurse=False)[:-3] if t is not None]
     return (all(isinstance(p, PackedWeight) for p in projections)
-            and all(t.dtype == dtype and t.is_contiguous() for t in tensors))
+            and all(t.dtype == dtype and t.is_contiguous() for t in weights)
+            and layer.k_cache.dtype == layer.v_cache.dtype == dtype
+            and _cache_layout(layer.k_cache, layer.v_cache) == layout)
+
+
+def _cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int] | None:
+    """``(slot_stride, head_stride)`` of a ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache pair the C
+    code can index: blocks contiguous and back to back, each slot-major (``(heads * dim, dim)``) or head-major
+    (``(dim, block_size * dim)``, see ``KVCache``), and both caches alike; None otherwise."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        return None
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_stride, slot_stride, head_stride, dim_stride = k_cache.stride()
+    layouts = ((num_kv_heads * head_dim, head_dim), (head_dim, block_size * head_dim))
+    if dim_stride != 1 or block_stride != block_size * num_kv_heads * head_dim:
+        return None
+    return (slot_stride, head_stride) if (slot_stride, head_stride) in layouts else None
 
 
 def _storage(t: torch.Tensor | PackedWeight) -> torch.Tensor:

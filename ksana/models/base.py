@@ -46,6 +46,11 @@ class CausalLM(torch.nn.Module):
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
         raise NotImplementedError
 
+    @property
+    def kv_head_major(self) -> bool:
+        """Whether the KV cache this model reads should be head-major (see ``KVCache``): its kernels' choice."""
+        return False
+
     def compute_greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
         """Greedy decoding's token and log-probability per row, where the model's kernels get them without the
         logits (what the sampler's greedy fast path gives on ``compute_logits``); None: use the logits."""

@@ -314,6 +314,10 @@ class DecoderForCausalLM(CausalLM):
         # (the KV cache's addresses, the layers as ``ops.decode_layers`` takes them), made on the first decode step.
         self._decode_layers_of: tuple[tuple[int, ...], DecodeLayers] | None = None
 
+    @property
+    def kv_head_major(self) -> bool:
+        return self.plain_ops.kv_head_major
+
     @classmethod
     def _biases(cls, config: Any) -> Biases:
         raise NotImplementedError

@@ -17,7 +17,15 @@ from ksana.models.shape import ModelShape
 
 @attrs.define
 class KVCache:
-    """``layers[i]`` is layer i's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """``layers[i]`` is layer i's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Head-major caches (``allocate(head_major=True)``) are views of ``[num_blocks, num_kv_heads, block_size,
+    head_dim]`` tensors with the same shape and indexing: each KV head's positions of a block lie together, so a
+    decode kernel reads one head's keys as one run of memory instead of a slice of every slot's row, which the
+    hardware prefetchers follow. The native CPU kernels ask for it: on an AVX2 EPYC, reading smollm2's KV (3
+    heads of 64, randomly placed 16-slot blocks) head by head ran at 22-23.5 GB/s against 13-16 slot-major, and
+    the fused batch-16 decode step at context 512 took 0.93 of the time (0.97 at context 128, the same at
+    batch 1)."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     num_blocks: int
@@ -34,16 +42,23 @@ class KVCache:
         dtype: torch.dtype,
         device: str | torch.device,
         num_swa_blocks: int = 0,
+        head_major: bool = False,
     ) -> KVCache:
         """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask.
 
-        ``num_swa_blocks`` > 0 gives the sliding-window layers their own pool of that many blocks."""
+        ``num_swa_blocks`` > 0 gives the sliding-window layers their own pool of that many blocks; ``head_major``
+        lays each block out head by head (see the class)."""
         swa_layers = tuple(i for i, w in enumerate(shape.sliding_windows) if w is not None) if num_swa_blocks else ()
         layers = []
         for i in range(shape.num_layers):
-            dims = (num_swa_blocks if i in swa_layers else num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-            layers.append((torch.zeros(dims, dtype=dtype, device=device),
-                           torch.zeros(dims, dtype=dtype, device=device)))
+            blocks = num_swa_blocks if i in swa_layers else num_blocks
+            if head_major:
+                dims = (blocks, shape.num_kv_heads, block_size, shape.head_dim)
+                pair = tuple(torch.zeros(dims, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
+            else:
+                dims = (blocks, block_size, shape.num_kv_heads, shape.head_dim)
+                pair = tuple(torch.zeros(dims, dtype=dtype, device=device) for _ in range(2))
+            layers.append(pair)
         return cls(layers=layers, num_blocks=num_blocks, block_size=block_size, num_swa_blocks=num_swa_blocks,
                    swa_layers=swa_layers)
 

@@ -92,7 +92,8 @@ def run_rank(group: TPGroup) -> None:
         model = load_model(setup.model_dir, dtype=dtype, device=group.device, tp=group)
         group.store.set(PARAM_BYTES_KEY.format(rank=rank), str(param_bytes(model)))
         kv: KVSetup = group.broadcast_object()
-        kv_cache = KVCache.allocate(model.rank_shape, kv.num_blocks, kv.block_size, dtype, group.device)
+        kv_cache = KVCache.allocate(model.rank_shape, kv.num_blocks, kv.block_size, dtype, group.device,
+                                    head_major=model.kv_head_major)
         runner = _RankRunner(model, kv_cache, group.device)
         fail_at, num_steps = _fail_step(rank), 0
         while (message := group.broadcast_object()) is not None:

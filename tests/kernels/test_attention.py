@@ -32,9 +32,11 @@ def dense_reference(q, k, v, seq_len: int, window: int | None) -> torch.Tensor:
 
 
 def make_batch(
-    rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int, block_size: int, seed: int = 0
+    rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int, block_size: int, seed: int = 0,
+    head_major: bool = False,
 ):
-    """Rows ``(q_len, seq_len)``; returns the cache with contexts stored, new q/k/v, metadata, full k/v per row."""
+    """Rows ``(q_len, seq_len)``; returns the cache with contexts stored, new q/k/v, metadata, full k/v per row.
+    ``head_major``: the caches are head-major views (as ``KVCache.allocate(head_major=True)`` makes them)."""
     gen = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, HEAD_DIM, generator=gen)
     v_cache = torch.randn(NUM_BLOCKS, block_size, num_kv_heads, HEAD_DIM, generator=gen)
@@ -72,7 +74,16 @@ def make_batch(
     )
     new_k = torch.cat([k[s - q :] for k, (q, s) in zip(full_k, rows, strict=True)])
     new_v = torch.cat([v[s - q :] for v, (q, s) in zip(full_v, rows, strict=True)])
+    if head_major:
+        k_cache, v_cache = (as_head_major(c) for c in (k_cache, v_cache))
     return (k_cache, v_cache), (torch.cat(queries), new_k, new_v), meta, full_k, full_v
+
+
+def as_head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values, each block laid out head by head in memory (same shape and indexing)."""
+    copy = cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(copy, cache) and copy.transpose(1, 2).is_contiguous()
+    return copy
 
 
 # Decode rows first (context lengths 1, mid-block, block edge, long), then prefills: fresh, fresh on a block
@@ -80,13 +91,15 @@ def make_batch(
 ROWS = [(1, 1), (1, 6), (1, 16), (1, 17), (1, 90), (7, 7), (16, 16), (10, 50), (33, 80), (2, 64), (40, 40)]
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("window", [None, 1, 6, 16, 37])
 @pytest.mark.parametrize("heads", [(6, 2), (5, 5), (12, 3), (7, 1)])
-def test_paged_attention_matches_dense(heads: tuple[int, int], window: int | None, block_size: int) -> None:
+def test_paged_attention_matches_dense(heads: tuple[int, int], window: int | None, block_size: int,
+                                       head_major: bool) -> None:
     num_heads, num_kv_heads = heads
     (k_cache, v_cache), (q, k, v), meta, full_k, full_v = make_batch(
-        ROWS, num_heads, num_kv_heads, block_size
+        ROWS, num_heads, num_kv_heads, block_size, head_major=head_major
     )
     out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5, window)
     assert out.shape == q.shape
@@ -109,6 +122,15 @@ def test_new_kv_lands_in_its_slots() -> None:
     untouched = torch.ones(flat.shape[0], dtype=torch.bool)
     untouched[meta.slot_mapping] = False
     torch.testing.assert_close(flat[untouched], before.view(-1, 2, HEAD_DIM)[untouched], rtol=0, atol=0)
+
+
+def test_store_writes_the_same_values_into_a_head_major_cache() -> None:
+    (k_cache, v_cache), (_, k, v), meta, _, _ = make_batch(ROWS, 6, 3, 5)
+    head_k, head_v = as_head_major(k_cache), as_head_major(v_cache)
+    store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_kv_cache(k, v, head_k, head_v, meta.slot_mapping)
+    assert torch.equal(head_k, k_cache) and torch.equal(head_v, v_cache)
+    assert not head_k.is_contiguous() and head_k.transpose(1, 2).is_contiguous()  # written in place, not copied
 
 
 def test_store_kv_cache_accepts_int32_slots() -> None:

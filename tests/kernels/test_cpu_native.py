@@ -16,11 +16,11 @@ from kernels import attention, norm, rotary
 from kernels.backends import cpu_ops
 from kernels.cpu import load_library
 from kernels.cpu.build import LEVELS, cpu_level
-from kernels.cpu.ops import NativeCPUOps
+from kernels.cpu.ops import NativeCPUOps, _cache_layout
 from kernels.cpu.packed import PackedWeight, dense_weight
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
-from tests.kernels.test_attention import HEAD_DIM, ROWS, dense_reference, make_batch
+from tests.kernels.test_attention import HEAD_DIM, ROWS, as_head_major, dense_reference, make_batch
 from tests.model_factory import BlockPool, PagedSequence, build_step, make_checkpoint, random_prompts
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -134,24 +134,31 @@ def test_silu_and_mul(native: NativeCPUOps, dtype: torch.dtype) -> None:
     torch.testing.assert_close(native.silu_and_mul(torch.cat([gate, up], dim=-1)), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
-def test_store_kv_writes_exactly_the_given_slots(native: NativeCPUOps, dtype: torch.dtype) -> None:
+def test_store_kv_writes_exactly_the_given_slots(native: NativeCPUOps, dtype: torch.dtype, head_major: bool) -> None:
     k_cache, v_cache = torch.zeros(6, 4, 3, 8, dtype=dtype), torch.zeros(6, 4, 3, 8, dtype=dtype)
+    if head_major:
+        k_cache, v_cache = as_head_major(k_cache), as_head_major(v_cache)
     qkv = torch.randn(5, 9, 8).to(dtype)  # key and value are strided views, as in the decoder
     key, value = qkv[:, 3:6], qkv[:, 6:9]
     slots = torch.tensor([23, 0, 5, 6, 17])
+    assert _cache_layout(k_cache, v_cache) is not None  # the C path takes both layouts
     native.store_kv_cache(key, value, k_cache, v_cache, slots)
     ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     attention.store_kv_cache(key, value, ref_k, ref_v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("window", [None, 1, 6, 37])
 @pytest.mark.parametrize("heads", [(6, 2), (5, 5), (12, 3), (7, 1)])
-def test_native_paged_attention_matches_dense(heads: tuple[int, int], window: int | None, block_size: int) -> None:
+def test_native_paged_attention_matches_dense(heads: tuple[int, int], window: int | None, block_size: int,
+                                              head_major: bool) -> None:
     num_heads, num_kv_heads = heads
-    (k_cache, v_cache), (q, k, v), meta, full_k, full_v = make_batch(ROWS, num_heads, num_kv_heads, block_size)
+    (k_cache, v_cache), (q, k, v), meta, full_k, full_v = make_batch(ROWS, num_heads, num_kv_heads, block_size,
+                                                                     head_major=head_major)
     out = cpu_ops().paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5, window)
     start = 0
     for i, (q_len, seq_len) in enumerate(ROWS):
@@ -407,15 +414,16 @@ def test_pack_weights_lays_the_packed_weights_back_to_back_in_the_order_given(na
 
 
 def _decode_steps(model, use_fused: bool, dtype: torch.dtype, lengths: tuple[int, ...] = (1, 9, 16, 40, 3),
-                  num_blocks: int = 32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                  num_blocks: int = 32, head_major: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A prefill of sequences of ``lengths`` (by default one past the SWA windows), then 3 all-decode steps; the
-    decode steps' hidden states and the final KV cache."""
+    decode steps' hidden states and the final KV cache (head-major, as the engine allocates it for these
+    kernels, or slot-major)."""
     if not use_fused:
         model.ops = attrs.evolve(model.ops, decode_layers=None)
     seqs = [PagedSequence(t) for t in random_prompts(list(lengths), seed=5)]
     for seq, extra in zip(seqs, random_prompts([3] * len(seqs), seed=6), strict=True):
         seq.token_ids += extra
-    cache = KVCache.allocate(model.shape, num_blocks, 8, dtype, "cpu")
+    cache = KVCache.allocate(model.shape, num_blocks, 8, dtype, "cpu", head_major=head_major)
     pool = BlockPool(num_blocks, seed=1)
     hidden_states = []
     with torch.inference_mode():
@@ -441,12 +449,26 @@ def _assert_fused_equals_loop(model_dir, dtype: torch.dtype, native: NativeCPUOp
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa", "mistral"])
 def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path, dtype: torch.dtype,
-                                                  family: str) -> None:
-    """Same kernels, same order: bit for bit the op-by-op result (biases, sliding windows, GQA), KV cache too."""
-    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, native)
+                                                  family: str, head_major: bool) -> None:
+    """Same kernels, same order: bit for bit the op-by-op result (biases, sliding windows, GQA), KV cache too,
+    on either cache layout."""
+    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, native, head_major=head_major)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_decode_layers_give_the_same_bits_on_either_cache_layout(native: NativeCPUOps, tmp_path,
+                                                                      dtype: torch.dtype) -> None:
+    model = load_model(make_checkpoint(tmp_path, "qwen2-mixed-swa"), dtype=dtype)
+    assert model.kv_head_major  # what the engine allocates for these kernels
+    head_major, head_major_cache = _decode_steps(model, True, dtype, head_major=True)
+    slot_major, slot_major_cache = _decode_steps(model, True, dtype, head_major=False)
+    assert not head_major_cache[0].is_contiguous() and slot_major_cache[0].is_contiguous()
+    for a, b in zip(head_major + head_major_cache, slot_major + slot_major_cache, strict=True):
+        assert torch.equal(a, b)
 
 
 # Batch shapes that take the fused step's other paths (with 2 threads; 16 query heads of 64 make 300 positions
