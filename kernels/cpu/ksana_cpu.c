@@ -130,7 +130,8 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
  * rows are in cache, so a long context is read from
  * memory once, not once per head. Scores take eight positions at a time (one accumulator per position, summed
  * across lanes together); the exp is vectorised; P @ V accumulates 64 dims at a time in registers, carried across
- * tiles in `acc`. `kv_rows[i]` is position i's K/V row offset (slot * row + kvh * dim). */
+ * tiles in `acc`. `kv_rows[i]` is where position i's first KV head of the task starts; KV head h lies
+ * h * head_stride further (dim slot-major, block_size * dim head-major: see store_kv). */
 #define DECODE_TILE 128
 /* The first query head of each KV group prefetches its K (then V) rows this many positions ahead into L2: blocks
  * sit at random addresses, so the hardware prefetcher restarts at every block (10-20% faster from memory). */

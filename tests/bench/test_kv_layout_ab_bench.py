@@ -1,0 +1,36 @@
+"""``bench/kv_layout_ab.py`` on the demo model: both cache layouts run the captured step, with the same bits.
+
+No timing thresholds (the figures are the benchmark's business): what can fail is the capture, the copy to the other
+layout, the bit check and the bookkeeping of the pairs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels.cpu import load_library
+from kernels.cpu.ops import NativeCPUOps
+from tests.bench import load_bench
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("kv_layout_ab")
+
+
+def test_both_layouts_give_the_same_bits_and_every_pair_is_counted(bench):
+    report = bench.run_ab(bench.Settings(model="demo", batch=3, context=24, rounds=2))
+    if not NativeCPUOps(load_library()).has_linear:  # no fused decode step to compare on this CPU
+        assert "no fused decode step" in report["error"]
+        return
+    assert report["same_bits"] is True and report["layouts_differ"] is True
+    pairs = report["pairs"]
+    assert pairs["n"] == 4 and pairs["q1"] <= pairs["median_head_over_slot"] <= pairs["q3"]
+    assert report["slot_major_ms"] > 0 and report["head_major_ms"] > 0
+
+
+def test_a_round_count_below_one_is_refused_by_name(bench, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--rounds", "0"])
+    assert exit_info.value.code == 2
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
