@@ -126,13 +126,17 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
 }
 
 /* One decode task (a sequence's KV heads, or one of them), head_dim a multiple of 8; query head g reads KV head
- * g / head_group. Positions go in tiles of DECODE_TILE, and each tile serves every query head while its K (then V)
- * rows are in cache, so a long context is read from
- * memory once, not once per head. Scores take eight positions at a time (one accumulator per position, summed
- * across lanes together); the exp is vectorised; P @ V accumulates 64 dims at a time in registers, carried across
- * tiles in `acc`. `kv_rows[i]` is where position i's first KV head of the task starts; KV head h lies
- * h * head_stride further (dim slot-major, block_size * dim head-major: see store_kv). */
-#define DECODE_TILE 128
+ * g / head_group. Positions go in tiles of DECODE_TILE_AVX2, and each tile serves every query head while its K
+ * (then V) rows are in cache, so a long context is read from memory once, not once per head. Scores take eight
+ * positions at a time (one accumulator per position, summed across lanes together); the exp is vectorised; P @ V
+ * accumulates 64 dims at a time in registers, carried across tiles in `acc`. `kv_rows[i]` is where position i's
+ * first KV head of the task starts; KV head h lies h * head_stride further (dim slot-major, block_size * dim
+ * head-major: see store_kv). */
+#define DECODE_TILE 128 /* the AVX-512 task's (tuned on the Xeon) */
+/* 64 against 128 on the head-major cache (bench/decode_ab.py, 102-108 pairs): batch 16 at context 512 0.970
+ * (quartiles 0.933 / 1.006), at 128 0.990; batch 1 at 512 0.995. 16 and 256 were slower (1.13, 1.05: attention
+ * alone, one process). */
+#define DECODE_TILE_AVX2 64
 /* The first query head of each KV group prefetches its K (then V) rows this many positions ahead into L2: blocks
  * sit at random addresses, so the hardware prefetcher restarts at every block (10-20% faster from memory). */
 #define DECODE_PREFETCH 16
@@ -146,8 +150,8 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
                                        float *part) {                                                            \
         float maxs[group], sums[group];                                                                          \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;                                                 \
-        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
-            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
+        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
+            int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
             for (int64_t g = 0; g < group; g++) {                                                                \
                 const float *qg = qf + g * dim;                                                                  \
                 const T *kc = k_cache + (g / head_group) * head_stride; /* this head's KV head */                 \
@@ -214,8 +218,8 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
             sums[g] = sum + sum8(vsum);                                                                          \
         }                                                                                                        \
         memset(acc, 0, sizeof(float) * group * dim);                                                             \
-        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
-            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
+        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
+            int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
             for (int64_t g = 0; g < group; g++) {                                                                \
                 const float *sg = scores + g * n;                                                                \
                 const T *vc = v_cache + (g / head_group) * head_stride;                                          \
