@@ -154,7 +154,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
             int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
             for (int64_t g = 0; g < group; g++) {                                                                \
                 const float *qg = qf + g * dim;                                                                  \
-                const T *kc = k_cache + (g / head_group) * head_stride; /* this head's KV head */                 \
+                const T *kc = k_cache + (g / head_group) * head_stride; /* this head's KV head */                \
                 float *sg = scores + g * n;                                                                      \
                 __m256 vmax = _mm256_set1_ps(-INFINITY);                                                         \
                 int64_t i = t0;                                                                                  \
@@ -737,8 +737,9 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
         float *scores = (float *)malloc(sizeof(float) * heads_per_task * (n > 0 ? n : 1));                       \
         int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * (n > 0 ? n : 1));                                 \
         float *acc = (float *)malloc(sizeof(float) * heads_per_task * dim);                                      \
+        int64_t head0 = kv0 * plan->head_stride; /* the task's first KV head within a slot */                   \
         for (int64_t i = 0, blk = first / block_size, off = first % block_size; i < n; i++) {                    \
-            kv_rows[i] = table[blk] * block_size * plan->row + off * plan->slot_stride + kv0 * plan->head_stride; \
+            kv_rows[i] = table[blk] * block_size * plan->row + off * plan->slot_stride + head0;                  \
             if (++off == block_size) off = 0, blk++;                                                             \
         }                                                                                                        \
         const T *qh = q + b * q_stride + kv0 * group * dim;                                                      \
