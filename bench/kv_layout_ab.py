@@ -6,6 +6,7 @@ and over a slot-major copy with the same values, the two taking turns (a, b, b, 
 Both must give the same bits: the layout changes where values lie, not what is computed.
 
     python bench/kv_layout_ab.py --batch 16 --context 512
+    python bench/kv_layout_ab.py --dtype bfloat16
     python bench/kv_layout_ab.py --quick        # the demo model, small shapes: checks the script
 """
 
@@ -35,6 +36,7 @@ from ksana import LLM, SamplingParams  # noqa: E402
 @attrs.frozen
 class Settings:
     model: str = "smollm2"
+    dtype: str = "float32"
     batch: int = 16
     context: int = 512
     rounds: int = 25
@@ -61,7 +63,7 @@ def _capture_step(llm: LLM, settings: Settings) -> tuple:
 
 
 def run_ab(settings: Settings) -> dict[str, Any]:
-    llm = LLM(model=settings.model, dtype="float32")
+    llm = LLM(model=settings.model, dtype=settings.dtype)
     if llm.engine.model.ops.decode_layers is None:
         return {"settings": attrs.asdict(settings), "error": "no fused decode step on this CPU (it needs AVX2 or "
                 "AVX-512)"}
@@ -111,7 +113,7 @@ def print_report(report: dict[str, Any]) -> None:
         print(report["error"])
         return
     s, p = report["settings"], report["pairs"]
-    print(f"\nfused decode step, {s['model']} float32, batch {s['batch']}, context {s['context']}: slot-major "
+    print(f"\nfused decode step, {s['model']} {s['dtype']}, batch {s['batch']}, context {s['context']}: slot-major "
           f"{report['slot_major_ms']:.2f} ms, head-major {report['head_major_ms']:.2f} ms (medians)")
     print(f"head-major / slot-major: median {p['median_head_over_slot']:.3f} (quartiles {p['q1']:.3f} / "
           f"{p['q3']:.3f}, {p['n']} pairs); same bits: {report['same_bits']}")
@@ -120,6 +122,7 @@ def print_report(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="the demo model, small shapes: checks the script")
@@ -128,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("batch", "context", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    settings = Settings(batch=args.batch, context=args.context, rounds=args.rounds)
+    settings = Settings(dtype=args.dtype, batch=args.batch, context=args.context, rounds=args.rounds)
     if args.quick:
-        settings = Settings(model="demo", batch=min(args.batch, 3), context=24, rounds=2)
+        settings = Settings(model="demo", dtype=args.dtype, batch=min(args.batch, 3), context=24, rounds=2)
     report = run_ab(settings)
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,9 @@ def bench():
     return load_bench("kv_layout_ab")
 
 
-def test_both_layouts_give_the_same_bits_and_every_pair_is_counted(bench):
-    report = bench.run_ab(bench.Settings(model="demo", batch=3, context=24, rounds=2))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_both_layouts_give_the_same_bits_and_every_pair_is_counted(bench, dtype: str):
+    report = bench.run_ab(bench.Settings(model="demo", dtype=dtype, batch=3, context=24, rounds=2))
     if not NativeCPUOps(load_library()).has_linear:  # no fused decode step to compare on this CPU
         assert "no fused decode step" in report["error"]
         return
@@ -27,6 +28,7 @@ def test_both_layouts_give_the_same_bits_and_every_pair_is_counted(bench):
     pairs = report["pairs"]
     assert pairs["n"] == 4 and pairs["q1"] <= pairs["median_head_over_slot"] <= pairs["q3"]
     assert report["slot_major_ms"] > 0 and report["head_major_ms"] > 0
+    assert report["settings"]["dtype"] == dtype
 
 
 def test_a_round_count_below_one_is_refused_by_name(bench, capsys):
