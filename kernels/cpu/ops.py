@@ -71,8 +71,9 @@ class NativeCPUOps:
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
         self._greedy_logprobs = library.greedy_logprobs
-        # The address table (and windows) of the last ``DecodeLayers`` seen: a model passes the same one each step.
-        self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor] | None = None
+        # The address table, windows and cache layout of the last ``DecodeLayers`` seen: a model passes the same
+        # one each step (a new KV cache makes a new one).
+        self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
 
     def decode_layers(self, model: DecodeLayers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       meta) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -87,16 +88,14 @@ class NativeCPUOps:
                 and meta.block_tables.dtype == meta.seq_lens.dtype == meta.slot_mapping.dtype == torch.int64):
             return None
         layers = model.layers
-        layout = _cache_layout(layers[0].k_cache, layers[0].v_cache)
-        if layout is None:
-            return None
         if self._table_of is None or self._table_of[0]() is not model:
-            if not all(_decode_layer_ok(layer, hidden.dtype, layout) for layer in layers):
+            layout = _cache_layout(layers[0].k_cache, layers[0].v_cache)
+            if layout is None or not all(_decode_layer_ok(layer, hidden.dtype, layout) for layer in layers):
                 return None
             table = torch.tensor([a for layer in layers for a in layer.addresses()], dtype=torch.int64)
             windows = torch.tensor([layer.sliding_window or 0 for layer in layers], dtype=torch.int64)
-            self._table_of = (weakref.ref(model), table, windows)
-        _, table, windows = self._table_of
+            self._table_of = (weakref.ref(model), table, windows, layout)
+        _, table, windows, layout = self._table_of
         hidden = hidden.clone()  # overwritten in place: the embedding's output may be someone else's
         residual = torch.empty_like(hidden)
         block_tables = meta.block_tables
