@@ -125,45 +125,79 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
+#define DECODE_TILE 128 /* the AVX-512 task's (tuned on the Xeon) */
+/* The AVX2 task's tile, with decode_prefetch: 32 against 64 0.965 (attention alone over 30 cold layers at batch
+ * 16, context 512, one process); 16 and 128 were slower (1.19, 1.08). */
+#define DECODE_TILE_AVX2 32
+/* The AVX-512 task's first query head of each KV group prefetches its K (then V) rows this many positions ahead
+ * into L2: blocks sit at random addresses, so the hardware prefetcher restarts at every block (10-20% faster from
+ * memory). */
+#define DECODE_PREFETCH 16
+/* The AVX-512 task also fetches them this many positions ahead into L1: 0.98 of the step at batch 16, context 512,
+ * 0.99 at context 128 (bench/decode_ab.py), as two distances did for the packed matmul's decode tiles. */
+#define DECODE_PREFETCH_NEAR 4
+/* A decode task's software prefetch. The task reads its rows in units of (tile, KV head), keys then values, and
+ * while it computes on one unit it fetches the next into L2, a few rows per loop iteration so that the requests
+ * go out evenly over the unit's work (every query head's pass, not only the first's: the hardware prefetcher
+ * restarts at every block, which sits at a random address). `step`: rows per iteration, 16.16 fixed point. */
+#define DEFINE_DECODE_PREFETCH(SUF, T)                                                                           \
+    typedef struct {                                                                                             \
+        const T *base;                                                                                           \
+        const int64_t *rows;                                                                                     \
+        int64_t step, at, dim;                                                                                   \
+    } decode_prefetch_##SUF;                                                                                     \
+    static inline void decode_prefetch_next_##SUF(decode_prefetch_##SUF *pf) {                                   \
+        for (int64_t r = (pf->at * pf->step) >> 16, r1 = ((pf->at + 1) * pf->step) >> 16; r < r1; r++)           \
+            for (int64_t d = 0; d < pf->dim; d += 64 / (int64_t)sizeof(T))                                       \
+                _mm_prefetch((const char *)(pf->base + pf->rows[r] + d), _MM_HINT_T1);                           \
+        pf->at++;                                                                                                \
+    }                                                                                                            \
+    /* The unit after tile t's KV head h of pass v (0 keys, 1 values; none after the last), over `iters`. */     \
+    static inline void decode_prefetch_plan_##SUF(decode_prefetch_##SUF *pf, const T *k_cache, const T *v_cache, \
+                                                  const int64_t *kv_rows, int64_t n, int64_t nkv,                \
+                                                  int64_t head_stride, int64_t t, int64_t h, int v,              \
+                                                  int64_t iters) {                                               \
+        int64_t tiles = (n + DECODE_TILE_AVX2 - 1) / DECODE_TILE_AVX2, rows = 0;                                 \
+        if (++h == nkv) h = 0, t++;                                                                              \
+        if (t == tiles) t = 0, v++;                                                                              \
+        int64_t t0 = t * DECODE_TILE_AVX2;                                                                       \
+        if (v < 2) rows = n - t0 < DECODE_TILE_AVX2 ? n - t0 : DECODE_TILE_AVX2;                                 \
+        pf->base = (v ? v_cache : k_cache) + h * head_stride;                                                    \
+        pf->rows = kv_rows + t0;                                                                                 \
+        pf->step = iters ? (rows << 16) / iters : 0;                                                             \
+        pf->at = 0;                                                                                              \
+    }
 /* One decode task (a sequence's KV heads, or one of them), head_dim a multiple of 8; query head g reads KV head
  * g / head_group. Positions go in tiles of DECODE_TILE_AVX2, and each tile serves every query head while its K
  * (then V) rows are in cache, so a long context is read from memory once, not once per head. Scores take eight
  * positions at a time (one accumulator per position, summed across lanes together); the exp is vectorised; P @ V
  * accumulates 64 dims at a time in registers, carried across tiles in `acc`. `kv_rows[i]` is where position i's
  * first KV head of the task starts; KV head h lies h * head_stride further (dim slot-major, block_size * dim
- * head-major: see store_kv). */
-#define DECODE_TILE 128 /* the AVX-512 task's (tuned on the Xeon) */
-/* 64 against 128 on the head-major cache (bench/decode_ab.py, 102-108 pairs): batch 16 at context 512 0.970
- * (quartiles 0.933 / 1.006), at 128 0.990; batch 1 at 512 0.995. 16 and 256 were slower (1.13, 1.05: attention
- * alone, one process). */
-#define DECODE_TILE_AVX2 64
-/* The first query head of each KV group prefetches its K (then V) rows this many positions ahead into L2: blocks
- * sit at random addresses, so the hardware prefetcher restarts at every block (10-20% faster from memory). */
-#define DECODE_PREFETCH 16
-/* The AVX-512 task also fetches them this many positions ahead into L1: 0.98 of the step at batch 16, context 512,
- * 0.99 at context 128 (bench/decode_ab.py), as two distances did for the packed matmul's decode tiles. */
-#define DECODE_PREFETCH_NEAR 4
+ * head-major: see store_kv). The rows are prefetched as decode_prefetch says. */
 #define DEFINE_DECODE_AVX2(SUF, T)                                                                              \
+    DEFINE_DECODE_PREFETCH(SUF, T)                                                                               \
     static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache, const int64_t *kv_rows, \
                                        int64_t n, int64_t group, int64_t head_group, int64_t dim,               \
                                        int64_t head_stride, float scale, float *scores, float *acc, T *out,     \
                                        float *part) {                                                            \
         float maxs[group], sums[group];                                                                          \
+        int64_t nkv = group / head_group;                                                                        \
+        decode_prefetch_##SUF pf = {.dim = dim};                                                                 \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;                                                 \
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
             int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
             for (int64_t g = 0; g < group; g++) {                                                                \
+                if (g % head_group == 0) /* a new unit: its loop iterations, eight positions or one each */      \
+                    decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride,              \
+                                               t0 / DECODE_TILE_AVX2, g / head_group, 0,                         \
+                                               head_group * ((t1 - t0) / 8 + (t1 - t0) % 8));                    \
                 const float *qg = qf + g * dim;                                                                  \
                 const T *kc = k_cache + (g / head_group) * head_stride; /* this head's KV head */                \
                 float *sg = scores + g * n;                                                                      \
                 __m256 vmax = _mm256_set1_ps(-INFINITY);                                                         \
                 int64_t i = t0;                                                                                  \
                 for (; i + 8 <= t1; i += 8) {                                                                    \
-                    if (g % head_group == 0 && i + DECODE_PREFETCH + 8 <= n) /* the group's first head fetches */ \
-                        for (int p = 0; p < 8; p++)                                                              \
-                            for (int64_t d = 0; d < dim; d += 64 / (int64_t)sizeof(T))                           \
-                                _mm_prefetch((const char *)(kc + kv_rows[i + DECODE_PREFETCH + p] + d),          \
-                                             _MM_HINT_T1);                                                       \
+                    decode_prefetch_next_##SUF(&pf);                                                             \
                     const T *k0 = kc + kv_rows[i], *k1 = kc + kv_rows[i + 1];                          \
                     const T *k2 = kc + kv_rows[i + 2], *k3 = kc + kv_rows[i + 3];                      \
                     const T *k4 = kc + kv_rows[i + 4], *k5 = kc + kv_rows[i + 5];                      \
@@ -186,6 +220,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
                 }                                                                                                \
                 float m = maxs[g];                                                                               \
                 for (; i < t1; i++) {                                                                            \
+                    decode_prefetch_next_##SUF(&pf);                                                             \
                     const T *k = kc + kv_rows[i];                                                                \
                     __m256 a = _mm256_setzero_ps();                                                              \
                     for (int64_t d = 0; d < dim; d += 8)                                                         \
@@ -221,39 +256,45 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
             int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
             for (int64_t g = 0; g < group; g++) {                                                                \
+                if (g % head_group == 0) /* a new unit: one iteration per position and 64 dims */                \
+                    decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride,              \
+                                               t0 / DECODE_TILE_AVX2, g / head_group, 1,                         \
+                                               head_group * (t1 - t0) * ((dim + 63) / 64));                      \
                 const float *sg = scores + g * n;                                                                \
                 const T *vc = v_cache + (g / head_group) * head_stride;                                          \
                 for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                       \
-                    int64_t chunks = (dim - d0 < 64 ? dim - d0 : 64) / 8;                                        \
                     float *ag = acc + g * dim + d0;                                                              \
-                    __m256 r[8];                                                                                 \
-                    for (int c = 0; c < chunks; c++) r[c] = _mm256_loadu_ps(ag + 8 * c);                         \
-                    if (chunks == 8) {                                                                           \
+                    if (dim - d0 >= 64) { /* in registers: an array indexed in a loop is copied in and out */    \
+                        __m256 r0 = _mm256_loadu_ps(ag), r1 = _mm256_loadu_ps(ag + 8);                           \
+                        __m256 r2 = _mm256_loadu_ps(ag + 16), r3 = _mm256_loadu_ps(ag + 24);                     \
+                        __m256 r4 = _mm256_loadu_ps(ag + 32), r5 = _mm256_loadu_ps(ag + 40);                     \
+                        __m256 r6 = _mm256_loadu_ps(ag + 48), r7 = _mm256_loadu_ps(ag + 56);                     \
                         for (int64_t j = t0; j < t1; j++) {                                                      \
+                            decode_prefetch_next_##SUF(&pf);                                                     \
                             const T *v = vc + kv_rows[j] + d0;                                                   \
-                            if (g % head_group == 0 && j + DECODE_PREFETCH < n) {                                \
-                                const T *ahead = vc + kv_rows[j + DECODE_PREFETCH] + d0;                         \
-                                for (int64_t d = 0; d < 64; d += 64 / (int64_t)sizeof(T))                        \
-                                    _mm_prefetch((const char *)(ahead + d), _MM_HINT_T1);                        \
-                            }                                                                                    \
                             __m256 w = _mm256_set1_ps(sg[j]);                                                    \
-                            r[0] = _mm256_fmadd_ps(w, load8_##SUF(v), r[0]);                                    \
-                            r[1] = _mm256_fmadd_ps(w, load8_##SUF(v + 8), r[1]);                                \
-                            r[2] = _mm256_fmadd_ps(w, load8_##SUF(v + 16), r[2]);                               \
-                            r[3] = _mm256_fmadd_ps(w, load8_##SUF(v + 24), r[3]);                               \
-                            r[4] = _mm256_fmadd_ps(w, load8_##SUF(v + 32), r[4]);                               \
-                            r[5] = _mm256_fmadd_ps(w, load8_##SUF(v + 40), r[5]);                               \
-                            r[6] = _mm256_fmadd_ps(w, load8_##SUF(v + 48), r[6]);                               \
-                            r[7] = _mm256_fmadd_ps(w, load8_##SUF(v + 56), r[7]);                               \
+                            r0 = _mm256_fmadd_ps(w, load8_##SUF(v), r0);                                         \
+                            r1 = _mm256_fmadd_ps(w, load8_##SUF(v + 8), r1);                                     \
+                            r2 = _mm256_fmadd_ps(w, load8_##SUF(v + 16), r2);                                    \
+                            r3 = _mm256_fmadd_ps(w, load8_##SUF(v + 24), r3);                                    \
+                            r4 = _mm256_fmadd_ps(w, load8_##SUF(v + 32), r4);                                    \
+                            r5 = _mm256_fmadd_ps(w, load8_##SUF(v + 40), r5);                                    \
+                            r6 = _mm256_fmadd_ps(w, load8_##SUF(v + 48), r6);                                    \
+                            r7 = _mm256_fmadd_ps(w, load8_##SUF(v + 56), r7);                                    \
                         }                                                                                        \
-                    } else {                                                                                     \
-                        for (int64_t j = t0; j < t1; j++) {                                                      \
-                            const T *v = vc + kv_rows[j] + d0;                                                   \
-                            __m256 w = _mm256_set1_ps(sg[j]);                                                    \
-                            for (int c = 0; c < chunks; c++) r[c] = _mm256_fmadd_ps(w, load8_##SUF(v + 8 * c), r[c]); \
+                        _mm256_storeu_ps(ag, r0), _mm256_storeu_ps(ag + 8, r1);                                  \
+                        _mm256_storeu_ps(ag + 16, r2), _mm256_storeu_ps(ag + 24, r3);                            \
+                        _mm256_storeu_ps(ag + 32, r4), _mm256_storeu_ps(ag + 40, r5);                            \
+                        _mm256_storeu_ps(ag + 48, r6), _mm256_storeu_ps(ag + 56, r7);                            \
+                    } else { /* the last dims, fewer than 64: eight at a time */                                 \
+                        for (int64_t j = t0; j < t1; j++) decode_prefetch_next_##SUF(&pf);                       \
+                        for (int64_t d = d0; d < dim; d += 8) {                                                  \
+                            __m256 r = _mm256_loadu_ps(acc + g * dim + d);                                       \
+                            for (int64_t j = t0; j < t1; j++)                                                    \
+                                r = _mm256_fmadd_ps(_mm256_set1_ps(sg[j]), load8_##SUF(vc + kv_rows[j] + d), r); \
+                            _mm256_storeu_ps(acc + g * dim + d, r);                                              \
                         }                                                                                        \
                     }                                                                                            \
-                    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(ag + 8 * c, r[c]);                         \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
