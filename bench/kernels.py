@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
-import orjson
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench._results import write_json  # noqa: E402
 from kernels import activation, attention, norm, rotary  # noqa: E402
 from ksana.worker.attention_metadata import AttentionMetadata  # noqa: E402
 
@@ -410,10 +410,8 @@ def main() -> None:
         "ceilings": ceilings,
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    print(f"\nwrote {out}")
+    print()
+    write_json(report, args.out)
 
 
 def _triton_version() -> str:

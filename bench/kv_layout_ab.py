@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import orjson
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -30,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench._results import write_json  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
 
 
@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(model="demo", dtype=args.dtype, batch=min(args.batch, 3), context=24, rounds=2)
     report = run_ab(settings)
     print_report(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    print(f"wrote {args.out}")
+    write_json(report, args.out)
     return 0
 
 

@@ -20,12 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-import orjson
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench._results import write_json  # noqa: E402
 from events import Actor, handles  # noqa: E402
 from events.messages import AddRequests, TokensOut  # noqa: E402
 from ksana.config import load_config  # noqa: E402
@@ -136,12 +136,11 @@ def main() -> None:
     print(f"prefix_cache_hit_token_num (cache on, shared run): {hit_tokens} of {num * (system_len + suffix_len)}")
     print(f"0% hit rate: cache off {off:.3f} s, cache on {on:.3f} s (median of {args.repeats}): "
           f"overhead {overhead * 100:+.2f}%")
-    RESULTS.mkdir(exist_ok=True)
     out = {"model": args.model, "num_requests": num, "system_prompt_tokens": system_len, "suffix_tokens": suffix_len,
            "max_tokens": args.max_tokens, "runs": rows, "zero_hit_seconds": {"off": overhead_runs[False],
                                                                               "on": overhead_runs[True]},
            "zero_hit_overhead": overhead, "prefix_cache_hit_token_num": hit_tokens, "platform": platform.platform()}
-    (RESULTS / "prefix_cache.json").write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+    write_json(out, RESULTS / "prefix_cache.json")
 
 
 if __name__ == "__main__":

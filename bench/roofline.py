@@ -1,7 +1,8 @@
 """Decode against the roofline, prefill against ``transformers``, and the engine's overhead, in one run.
 
-1. Both ceilings of this machine, measured in the same run (before and after the decode runs, best of each; the
-   read ceiling is then raised to the fastest rate a decode run read its bytes at, where that is higher):
+1. Both ceilings of this machine, measured in the same run (before the decode runs and after each pass of them,
+   best of each; the read ceiling is then raised to the fastest rate a decode run read its bytes at, where that is
+   higher):
    read bandwidth (the fastest of three readers on all threads: a large float32 tensor's ``sum``, a
    matrix-vector product, and the engine's own projection kernel streaming as many bytes of weight at one input
    row) and the float32 matmul rate (a square GEMM, the faster of ``torch.mm`` and the engine's packed kernel).
@@ -18,7 +19,9 @@
    next) against the bound max(bytes read / bandwidth, FLOPs / matmul rate). Bytes: every weight once (the
    lm_head as vocab x hidden, tied or not; the embedding lookup only its B rows) plus each sequence's KV; FLOPs:
    2 x matmul parameters x tokens plus attention's 4 x kv_len x heads x head_dim per token and layer. Both come
-   from the model's ``ModelShape``.
+   from the model's ``ModelShape``. Beside it, "paired": each pass against the ceilings measured just before and
+   after it, the median over the passes (``paired_ratios``), which a ceiling caught in a fast minute of the VM
+   cannot set against steps from a slow one.
 3. Prefill of one 512-token prompt: Ksana's prefill step (from the trace) against ``transformers``'
    ``AutoModelForCausalLM`` forward of the same tokens (``logits_to_keep=1``, as its ``generate`` does), in
    float32 and bfloat16, the two engines alternating run by run.
@@ -56,6 +59,7 @@ from transformers import AutoConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench._results import write_json  # noqa: E402
 from events.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
 from events.trace import TraceRecord  # noqa: E402
 from kernels.dispatch import get_ops  # noqa: E402
@@ -366,6 +370,32 @@ def add_roofline(result: dict[str, Any], shape: ModelShape, ceilings: dict[str, 
     })
 
 
+def step_ratio(run: dict[str, Any], shape: ModelShape, ceilings: dict[str, Any]) -> float:
+    """The median over a run's steps of step period / bound, against the given ceilings."""
+    read, flop = ceilings["read_bandwidth"]["bytes_per_s"], ceilings["matmul"]["flop_per_s"]
+    return statistics.median(s["period_s"] / roofline_bound(decode_step_cost(shape, s["seq_lens"]), read, flop)["bound_s"]
+                             for s in run["steps"])
+
+
+def paired_ratios(passes: list[list[dict[str, Any]]], ceiling_runs: list[dict[str, Any]],
+                  shape: ModelShape) -> list[dict[str, Any]]:
+    """Per configuration, each pass against the ceilings measured just before and just after it (the better of the
+    two, the read ceiling raised to that pass's own fastest decode rate), rather than against the run's best: this
+    VM's speed drifts by 20-40% within minutes, so a ceiling from a fast minute set against steps from a slow one
+    (or the other way round) moves the ratio by as much as the code does. ``ceiling_runs[p]`` is the measurement
+    before pass p, ``ceiling_runs[p + 1]`` the one after it."""
+    assert len(ceiling_runs) == len(passes) + 1, "one ceiling measurement before each pass and one after the last"
+    brackets = [raise_to_decode_rate(best_ceilings(ceiling_runs[p], ceiling_runs[p + 1]), runs, shape)
+                for p, runs in enumerate(passes)]
+    out = []
+    for i in range(len(passes[0])):
+        ratios = [step_ratio(runs[i], shape, bracket) for runs, bracket in zip(passes, brackets, strict=True)]
+        out.append({"pass_ratios": ratios, "median": statistics.median(ratios),
+                    "pass_read_bytes_per_s": [b["read_bandwidth"]["bytes_per_s"] for b in brackets],
+                    "pass_flop_per_s": [b["matmul"]["flop_per_s"] for b in brackets]})
+    return out
+
+
 def overhead_split(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean seconds per part over the steps (means, so the parts add up to the mean period), and the shares."""
     period = statistics.mean(s["period_s"] for s in steps)
@@ -439,7 +469,7 @@ def run_bench(settings: Settings) -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average_before": os.getloadavg()[0],  # the machine is shared: a busy one slows every figure
     }
-    # Again after the decode runs; the best of each counts. On a thread of its own, like the engine's start-up, so
+    # Again after each decode pass; the best of each counts. On a thread of its own, like the engine's start-up, so
     # that this thread keeps no OpenMP pool to throttle the engine's forward thread (ksana/worker/fresh_thread.py).
     hidden_size = AutoConfig.from_pretrained(str(resolve_model_dir(settings.model))).hidden_size
     ceiling_runs = [run_in_fresh_thread(measure_ceilings, settings, hidden_size)]
@@ -457,14 +487,17 @@ def run_bench(settings: Settings) -> dict[str, Any]:
             report["shape"] = {k: v for k, v in attrs.asdict(llm.engine.shape).items() if k != "dtype"}
             shape = llm.engine.shape
             configs = [(batch, context) for context in settings.contexts for batch in settings.batches]
-            passes = [[decode_bench(llm, recorder, batch, context, settings.decode_tokens, settings.skip_steps, rng)
-                       for batch, context in configs] for _ in range(settings.decode_passes)]
+            passes = []
+            for _ in range(settings.decode_passes):  # the ceilings again after each pass: see paired_ratios
+                passes.append([decode_bench(llm, recorder, batch, context, settings.decode_tokens,
+                                            settings.skip_steps, rng) for batch, context in configs])
+                ceiling_runs.append(run_in_fresh_thread(measure_ceilings, settings, hidden_size))
             decode = [fastest_pass([runs[i] for runs in passes]) for i in range(len(configs))]
-            ceiling_runs.append(run_in_fresh_thread(measure_ceilings, settings, hidden_size))
             report["ceilings"] = ceilings = raise_to_decode_rate(best_ceilings(*ceiling_runs), decode, shape)
             report["ceiling_runs"] = ceiling_runs
-            for d in decode:
+            for d, paired in zip(decode, paired_ratios(passes, ceiling_runs, shape), strict=True):
                 add_roofline(d, shape, ceilings)
+                d["paired"] = paired
             report["decode"] = decode
             # The largest batch at the first context again with one step in flight: async scheduling's share.
             report["decode_one_in_flight"] = one = one_step_in_flight(
@@ -524,9 +557,11 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "decode, float32 (ms; medians over steady decode steps, the fastest of "
         f"{report['settings']['decode_passes']} passes; bound = max(mem, flop); kernel = weights at the "
-        "streamed-matmul rate + KV at the read rate)",
+        "streamed-matmul rate + KV at the read rate; paired: the median over passes of each pass's step/bound "
+        "against the ceilings measured just before and after it)",
         f"{'batch':>5}{'ctx':>6}{'MB/step':>9}{'GFLOP':>7}{'mem':>7}{'flop':>7}{'bound':>7}{'fwd':>7}"
-        f"{'worker':>8}{'step':>7}{'tok-out':>8}{'step/bound':>11}{'% roofline':>11}{'kernel':>8}{'step/kernel':>12}",
+        f"{'worker':>8}{'step':>7}{'tok-out':>8}{'step/bound':>11}{'% roofline':>11}{'kernel':>8}{'step/kernel':>12}"
+        f"{'paired':>8}  each pass",
     ]
     for d in report.get("decode", []):
         tok = d["tokens_out_step_s"]
@@ -536,6 +571,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{d['forward_s'] * 1e3:>7.1f}{d['worker_step_s'] * 1e3:>8.1f}{d['step_s'] * 1e3:>7.1f}"
             f"{(tok or 0) * 1e3:>8.1f}{d['step_ratio']:>10.2f}x{d['pct_of_roofline']:>10.0f}%"
             f"{d['kernel_bound_s'] * 1e3:>8.1f}{d['step_kernel_ratio']:>11.2f}x"
+            + (f"{d['paired']['median']:>7.2f}x  " + " / ".join(f"{r:.2f}" for r in d["paired"]["pass_ratios"])
+               if "paired" in d else "")
         )
     lines += ["", f"prefill, one {next(iter(report['prefill'].values()))['prompt_len']}-token prompt "
               "(medians of alternating runs; best/best: the fastest run of each)",
@@ -575,8 +612,8 @@ def _cell(seconds: float, period: float) -> str:
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    """The report as JSON, numbers allowed as keys (orjson refuses them unless told)."""
+    write_json(report, out, options=orjson.OPT_NON_STR_KEYS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -594,8 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     resolve_model_dir(settings.model)  # fail early on an unknown model
     report = run_bench(settings)
     print(format_report(report))
+    print()
     write_report(report, Path(args.out))
-    print(f"\nwrote {args.out}")
     return 0
 
 

@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import orjson
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench._results import write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STARTUP_TIMEOUT_S = 300.0
@@ -248,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                        serve_bench.parse_range(args.output_len), args.endpoint, args.seed, tuple(engine_flags),
                        args.rounds)
     print(format_report(report))
-    out = Path(args.out or RESULTS / f"serving_vs_offline{'_quick' if args.quick else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    print(f"wrote {out}")
+    write_json(report, args.out or RESULTS / f"serving_vs_offline{'_quick' if args.quick else ''}.json")
     return 0 if report["online"]["failed"] == 0 else 1
 
 

@@ -26,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-import orjson
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench._results import write_json  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
 
@@ -164,10 +164,8 @@ def main() -> None:
               f"{hf_values}{r['ratio']:>7.2f}x")
     if args.hf_batches is not None:
         print(f"(transformers ran its first {args.hf_batches} static batch(es) at each size only: --hf-batches)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    print(f"\nwrote {out}")
+    print()
+    write_json(report, args.out)
 
 
 if __name__ == "__main__":

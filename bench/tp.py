@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import orjson
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench._results import write_json  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -79,10 +79,7 @@ def main() -> int:
               "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                            "max_tokens": args.max_tokens, "greedy": True},
               "results": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    print(f"wrote {out}")
+    write_json(report, args.out)
     return 0
 
 

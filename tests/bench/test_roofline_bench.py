@@ -7,6 +7,7 @@ the bookkeeping: a bound below one of its ceilings, a step split whose parts do 
 from __future__ import annotations
 
 import math
+import statistics
 
 import attrs
 import orjson
@@ -183,6 +184,41 @@ def test_the_read_ceiling_is_never_below_a_decode_runs_read_rate(bench, report):
     assert kept["bytes_per_s"] == 2e3 and kept["source"] == "measured"
 
 
+def test_each_pass_is_set_against_the_ceilings_measured_beside_it(bench, report):
+    import torch
+
+    passes = SETTINGS["decode_passes"]
+    assert len(report["ceiling_runs"]) == passes + 1, "once before the first pass and once after each"
+    for d in report["decode"]:
+        paired = d["paired"]
+        assert len(paired["pass_ratios"]) == passes and all(r > 0 for r in paired["pass_ratios"])
+        assert paired["median"] == statistics.median(paired["pass_ratios"])
+    # Pass 0 ran in a slow minute (both measurements beside it read 100 B/s), pass 1 in a fast one (1,000 after it).
+    shape = ModelShape(model_type="llama", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                       intermediate_size=16, vocab_size=100, max_position_embeddings=64,
+                       sliding_windows=[None], eos_token_ids=[], dtype=torch.float32)
+    step_bytes = bench.decode_step_cost(shape, [3])["bytes"]
+
+    def run(bytes_per_s: float) -> dict:
+        return {"batch": 1, "context": 2, "steps": [{"seq_lens": [3], "period_s": step_bytes / bytes_per_s}]}
+
+    def ceilings(bytes_per_s: float) -> dict:
+        return {"read_bandwidth": {"bytes_per_s": bytes_per_s}, "matmul": {"flop_per_s": 1e12},
+                "streamed_matmul": {"1": {"bytes_per_s": bytes_per_s}}}
+
+    slow_then_fast = [[run(50.0)], [run(500.0)]]  # each pass read at half its neighbours' ceiling
+    paired = bench.paired_ratios(slow_then_fast, [ceilings(100.0), ceilings(100.0), ceilings(1e3)], shape)
+    assert paired[0]["pass_ratios"] == pytest.approx([2.0, 2.0])
+    assert paired[0]["pass_read_bytes_per_s"] == pytest.approx([100.0, 1e3])
+    # Against the run's best ceiling the slow pass would be 20x its bound: the VM's minute, not the code.
+    assert bench.step_ratio(slow_then_fast[0][0], shape, ceilings(1e3)) == pytest.approx(20.0)
+    # A pass that read faster than the measurements beside it raises its own ceiling, as the run's does.
+    raised = bench.paired_ratios([[run(300.0)]], [ceilings(100.0), ceilings(200.0)], shape)[0]
+    assert raised["pass_ratios"] == pytest.approx([1.0]) and raised["pass_read_bytes_per_s"] == pytest.approx([300.0])
+    with pytest.raises(AssertionError, match="one ceiling measurement before each pass"):
+        bench.paired_ratios(slow_then_fast, [ceilings(100.0)], shape)
+
+
 def test_report_is_written_as_json_with_its_keys(bench, report, tmp_path):
     out = tmp_path / "results" / "roofline.json"
     bench.write_report(report, out)
@@ -190,7 +226,8 @@ def test_report_is_written_as_json_with_its_keys(bench, report, tmp_path):
     assert {"model", "ceilings", "shape", "decode", "prefill", "overhead", "settings", "threads"} <= set(loaded)
     assert loaded["shape"]["num_layers"] == 2
     text = bench.format_report(report)
-    for heading in ("ceilings (best of 2", "decode, float32", "prefill", "engine overhead"):
+    for heading in (f"ceilings (best of {SETTINGS['decode_passes'] + 1}", "decode, float32", "paired", "prefill",
+                    "engine overhead"):
         assert heading in text
 
 
