@@ -1533,19 +1533,22 @@ static inline void avx2_share_table(const avx2_next_block *next, int64_t k_len, 
 
 /* Greedy decoding from the lm_head through the logits (the AVX-512 build fuses it: see there): the packed
  * linear's logits, widened to float32 as the model's logits path widens them, through greedy_logprobs, so the
- * results are the logits path's exactly. */
+ * results are the logits path's exactly. Float32 logits of the whole vocabulary go to greedy_logprobs as they
+ * are: the copy of 3 MB at batch 16 (smollm2) was 0.4 ms of a 6.6 ms call (0.941 in the engine, same tokens). */
 #define DEFINE_PACKED_GREEDY(SUF, T)                                                                             \
     void packed_linear_greedy_##SUF(const T *x, int64_t x_stride, const T *w, int64_t M, int64_t N, int64_t K,   \
                                     int64_t vocab, int64_t *ids, float *logprobs, int nthreads) {                \
         int64_t cols = vocab < N ? vocab : N;                                                                    \
         T *logits = (T *)malloc(sizeof(T) * M * N);                                                              \
-        float *wide = (float *)malloc(sizeof(float) * M * cols);                                                 \
+        int as_is = sizeof(T) == sizeof(float) && cols == N; /* float32 rows of exactly the vocabulary */        \
+        float *wide = as_is ? (float *)(void *)logits : (float *)malloc(sizeof(float) * M * cols);               \
         packed_matmul_##SUF(x, x_stride, w, NULL, logits, M, N, K, nthreads, NULL);                              \
-        for (int64_t r = 0; r < M; r++)                                                                          \
-            for (int64_t j = 0; j < cols; j++) wide[r * cols + j] = load_##SUF(logits + r * N + j);              \
+        if (!as_is)                                                                                              \
+            for (int64_t r = 0; r < M; r++)                                                                      \
+                for (int64_t j = 0; j < cols; j++) wide[r * cols + j] = load_##SUF(logits + r * N + j);          \
         greedy_logprobs(wide, M, cols, ids, logprobs, nthreads);                                                 \
+        if (!as_is) free(wide);                                                                                  \
         free(logits);                                                                                            \
-        free(wide);                                                                                              \
     }
 
 #define SILU_AND_MUL_ROW(SUF) silu_and_mul_row_##SUF
