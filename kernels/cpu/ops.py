@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kernels import activation, attention, norm, rotary
 from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
+from kernels.cpu.huge_pages import advise_huge_pages
 from kernels.cpu.packed import PANEL, PackedWeight, packed_numel
 
 # Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
@@ -130,7 +131,7 @@ class NativeCPUOps:
         A model passes its weights in the order a decode step reads them, so the end of one projection's panels
         runs straight into the next one's: one stream for the hardware prefetcher, where separate allocations
         restart it at every call (smollm2's 120 projections at 16 rows: 0.5-4.5% less time in three
-        one-process A/Bs).
+        one-process A/Bs). The buffers ask for huge pages (see ``kernels/cpu/huge_pages.py``).
         Each result is yielded as soon as it is packed and ``weights[i]`` is read only then, so a caller that
         swaps it in and sets ``weights[i] = None`` frees each original before the next is packed: the buffer's
         pages are touched one weight at a time, and the peak stays near one copy of the weights."""
@@ -139,6 +140,8 @@ class NativeCPUOps:
         for dtype, (out_features, in_features) in filter(None, shapes):
             sizes[dtype] = sizes.get(dtype, 0) + packed_numel(out_features, in_features)
         buffers = {dtype: torch.empty(size, dtype=dtype) for dtype, size in sizes.items()}
+        for buffer in buffers.values():  # before the first write (see huge_pages)
+            advise_huge_pages(buffer)
         offsets = dict.fromkeys(buffers, 0)
         for i, shape in enumerate(shapes):
             weight = weights[i]
