@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels import activation, attention, norm, rotary
 from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
-from kernels.cpu.huge_pages import advise_huge_pages
+from kernels.cpu.huge_pages import huge_page_empty
 from kernels.cpu.packed import PANEL, PackedWeight, packed_numel
 
 # Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
@@ -139,9 +139,7 @@ class NativeCPUOps:
         sizes: dict[torch.dtype, int] = {}
         for dtype, (out_features, in_features) in filter(None, shapes):
             sizes[dtype] = sizes.get(dtype, 0) + packed_numel(out_features, in_features)
-        buffers = {dtype: torch.empty(size, dtype=dtype) for dtype, size in sizes.items()}
-        for buffer in buffers.values():  # before the first write (see huge_pages)
-            advise_huge_pages(buffer)
+        buffers = {dtype: huge_page_empty((size,), dtype) for dtype, size in sizes.items()}
         offsets = dict.fromkeys(buffers, 0)
         for i, shape in enumerate(shapes):
             weight = weights[i]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from kernels.cpu.huge_pages import huge_page_zeros
 from ksana.models.shape import ModelShape
 
 
@@ -44,7 +45,8 @@ class KVCache:
         num_swa_blocks: int = 0,
         head_major: bool = False,
     ) -> KVCache:
-        """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask.
+        """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask; on huge
+        pages where the system gives them (see ``kernels/cpu/huge_pages.py``).
 
         ``num_swa_blocks`` > 0 gives the sliding-window layers their own pool of that many blocks; ``head_major``
         lays each block out head by head (see the class)."""
@@ -54,10 +56,10 @@ class KVCache:
             blocks = num_swa_blocks if i in swa_layers else num_blocks
             if head_major:
                 dims = (blocks, shape.num_kv_heads, block_size, shape.head_dim)
-                pair = tuple(torch.zeros(dims, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
+                pair = tuple(huge_page_zeros(dims, dtype, device).transpose(1, 2) for _ in range(2))
             else:
                 dims = (blocks, block_size, shape.num_kv_heads, shape.head_dim)
-                pair = tuple(torch.zeros(dims, dtype=dtype, device=device) for _ in range(2))
+                pair = tuple(huge_page_zeros(dims, dtype, device) for _ in range(2))
             layers.append(pair)
         return cls(layers=layers, num_blocks=num_blocks, block_size=block_size, num_swa_blocks=num_swa_blocks,
                    swa_layers=swa_layers)

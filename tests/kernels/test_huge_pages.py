@@ -1,5 +1,6 @@
-"""Huge pages under the packed weights (kernels/cpu/huge_pages.py): asked for before the first write, so the
-kernel backs the buffer with 2 MiB pages wherever the system allows it (THP ``always`` or ``madvise``)."""
+"""Huge pages under the packed weights and the KV cache (kernels/cpu/huge_pages.py): asked for before the first
+write, so the kernel backs the buffers with 2 MiB pages wherever the system allows it (THP ``always`` or
+``madvise``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 import torch
 
 from kernels.cpu import load_library
-from kernels.cpu.huge_pages import HUGE_PAGE, advise_huge_pages
+from kernels.cpu.huge_pages import HUGE_PAGE, huge_page_empty, huge_page_zeros
 from kernels.cpu.ops import NativeCPUOps
 from kernels.cpu.packed import PackedWeight, dense_weight
+from ksana.models.shape import ModelShape
+from ksana.worker.kv_cache import KVCache
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -47,16 +50,22 @@ def _expect_huge(tensor: torch.Tensor) -> None:
         assert _huge_bytes(tensor) == 0  # THP "never": the hint changes nothing
 
 
-def test_the_aligned_interior_is_advised_and_the_data_untouched() -> None:
-    buffer = torch.empty(12 * HUGE_PAGE + 12345, dtype=torch.uint8)
-    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
-    advised = advise_huge_pages(buffer)
-    whole_pages = (end // HUGE_PAGE - -(-start // HUGE_PAGE)) * HUGE_PAGE
-    assert advised == (whole_pages if _thp_mode() is not None else 0)
-    buffer.copy_(torch.arange(buffer.numel()) % 251)
-    assert torch.equal(buffer, (torch.arange(buffer.numel()) % 251).to(torch.uint8))
+def test_a_buffer_of_a_huge_page_or_more_gets_huge_pages_and_holds_its_data() -> None:
+    buffer = huge_page_empty((6 * HUGE_PAGE + 12345,), torch.uint8)
+    pattern = (torch.arange(buffer.numel()) % 251).to(torch.uint8)
+    buffer.copy_(pattern)
+    assert torch.equal(buffer, pattern)
     _expect_huge(buffer)
-    assert advise_huge_pages(torch.empty(100, dtype=torch.uint8)) == 0  # no whole huge page inside
+    bf16 = huge_page_empty((1024, 2048), torch.bfloat16)
+    assert bf16.shape == (1024, 2048) and bf16.dtype == torch.bfloat16 and bf16.is_contiguous()
+    small = huge_page_empty((100,), torch.float32)  # below one huge page: an ordinary allocation
+    assert small.shape == (100,)
+
+
+def test_zeros_are_zeros_below_and_above_one_huge_page() -> None:
+    for shape in ((3, 5), (1024, 1024)):  # an ordinary allocation, then a mapping of its own
+        zeros = huge_page_zeros(shape, torch.float32, "cpu")
+        assert zeros.shape == shape and not zeros.any()
 
 
 def test_pack_weights_asks_for_huge_pages_before_packing() -> None:
@@ -68,3 +77,17 @@ def test_pack_weights_asks_for_huge_pages_before_packing() -> None:
         return
     assert torch.equal(dense_weight(packed), weight)
     _expect_huge(packed.packed)
+
+
+def test_the_kv_cache_is_zero_filled_on_huge_pages() -> None:
+    shape = ModelShape(model_type="llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                       intermediate_size=256, vocab_size=100, max_position_embeddings=64,
+                       sliding_windows=[None, None], eos_token_ids=[], dtype=torch.float32)
+    for head_major in (True, False):
+        cache = KVCache.allocate(shape, num_blocks=1024, block_size=16, dtype=torch.float32, device="cpu",
+                                 head_major=head_major)  # 4 MiB a tensor
+        for k, v in cache.layers:
+            assert k.shape == v.shape == (1024, 16, 2, 32)
+            assert not k.any() and not v.any()
+            _expect_huge(k)
+            _expect_huge(v)
