@@ -18,6 +18,7 @@ import functools
 import math
 import mmap
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +27,7 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 @functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
