@@ -1445,7 +1445,7 @@ static inline avx2_next_block avx2_next(int64_t g, int64_t g1, int64_t *next_gro
  * `at[c]` past the block's start, `step[c]` lines per k as 16.16 fixed point; chunks from `n` on prefetch
  * nothing. Blocks of a matmul share a shape but for a group's last k block and the last group, so the table is
  * made again only when the shape changes (`key`). Made for every tile call, as it was, its integer divisions
- * cost 2% of a batch-16 decode step at context 128 (decode_ab.py 0.980, same bits; 0.983 over smollm2's 120
+ * cost 2% of a batch-16 decode step at context 128 (decode_ab.py 0.980, same bits; 0.976-0.983 over smollm2's 120
  * projections at 16 rows, the same at 1, 8 and 64). */
 #define AVX2_SHARES 64 /* chunks that can prefetch: at most np * kblock / 16, 4 * 128 / 16 = 32 */
 typedef struct {
