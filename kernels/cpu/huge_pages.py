@@ -53,7 +53,7 @@ def _huge_page_mapping(nbytes: int) -> memoryview | None:
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor on its own huge-page mapping (``torch.empty`` below one huge page, or off Linux). The tensor
     keeps the mapping alive; the mapping goes when the last tensor over it does."""
-    mapping = _huge_page_mapping(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    mapping = _huge_page_mapping(math.prod(shape) * dtype.itemsize)
     return torch.empty(shape, dtype=dtype) if mapping is None else torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
