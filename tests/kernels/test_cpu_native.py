@@ -253,8 +253,9 @@ def test_few_long_sequences_split_their_positions_across_the_threads(native: Nat
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_decode_attention_gqa_group_sizes(native: NativeCPUOps, dtype: torch.dtype, num_heads: int,
                                           num_kv_heads: int, head_dim: int) -> None:
-    """The 16-lane task serves up to four query heads of a KV head per pass over its rows: groups of 1, 2, 4, 5,
-    6, 7 and 8 query heads (one pass, or four plus the rest), with a sequence per task and a KV head per task."""
+    """The 16-lane task serves up to four query heads of a KV head per pass over its rows, the 8-lane one up to
+    three: groups of 1, 2, 4, 5, 6, 7 and 8 query heads (one pass, or four, three or both plus the rest), with a
+    sequence per task and a KV head per task."""
     gen = torch.Generator().manual_seed(num_heads * 100 + num_kv_heads * 10 + head_dim)
     num_blocks, block_size = 40, 16
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
