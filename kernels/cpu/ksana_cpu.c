@@ -143,10 +143,11 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
  * 0.99 at context 128 (bench/decode_ab.py), as two distances did for the packed matmul's decode tiles. */
 #define DECODE_PREFETCH_NEAR 4
 /* A decode task's software prefetch. The task reads its rows in units of (tile, KV head), keys then values, and
- * while it computes on one unit it fetches the next into L2, a few rows per loop iteration so that the requests
- * go out evenly over the unit's work (every query head's pass, not only the first's: the hardware prefetcher
- * restarts at every block, which sits at a random address). Against prefetching 16 positions ahead from the first
- * query head only: 0.931 of the step at batch 16, context 512, 0.974 at context 128 and at batch 1 (decode_ab.py).
+ * while it computes on one unit it fetches the next into L2, a share of a row per loop iteration so that the
+ * requests go out evenly over the unit's work (every pass over it, not only the first's). The hardware prefetcher
+ * alone leaves the arithmetic waiting on its rows: without this, 1.33-1.43x a plain read of the same KV, with it
+ * 1.23x (session 18's C harness). Against prefetching 16 positions ahead from the first query head only: 0.931 of
+ * the step at batch 16, context 512, 0.974 at context 128 and at batch 1 (decode_ab.py).
  * `step`: rows per iteration, 16.16 fixed point. */
 #define DEFINE_DECODE_PREFETCH(SUF, T)                                                                           \
     typedef struct {                                                                                             \
