@@ -12,6 +12,15 @@ PROMPTS = [
     "The three primary colors are",
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
+    # Longer than a CPU prefill's query chunk (kernels.attention.PREFILL_QUERY_CHUNK), two chunks and a part.
+    "The history of the printing press begins long before Gutenberg. In China, woodblock printing was used to "
+    "reproduce texts and images on paper and cloth by the ninth century, and movable type made of baked clay "
+    "was described by the scholar Shen Kuo in the eleventh century. Korean printers later cast movable type in "
+    "bronze, and the oldest surviving book printed that way dates from 1377. In Europe, Johannes Gutenberg of "
+    "Mainz combined a hand mould for casting metal type, an oil-based ink and a screw press adapted from the "
+    "ones used to make wine. His Bible, finished around 1455, showed that printed books could be as beautiful "
+    "as manuscripts. Within fifty years, presses were running in more than two hundred European cities, and "
+    "the price of books fell sharply. The most important consequence of the printing press was",
 ]
 
 

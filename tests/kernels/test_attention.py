@@ -8,7 +8,13 @@ import random
 import pytest
 import torch
 
-from kernels.attention import paged_attention, paged_decode_attention, store_kv_cache
+from kernels.attention import (
+    PREFILL_QUERY_CHUNK,
+    paged_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv_cache,
+)
 from ksana.worker.attention_metadata import AttentionMetadata
 
 HEAD_DIM = 8
@@ -109,6 +115,34 @@ def test_paged_attention_matches_dense(heads: tuple[int, int], window: int | Non
         torch.testing.assert_close(
             out[start : start + q_len].double(), ref, rtol=1e-5, atol=1e-5, msg=f"row {i}"
         )
+        start += q_len
+
+
+# Prefills only: fresh, over a cached prefix, and two longer than the CPU's default query chunk.
+CHUNKED_ROWS = [(40, 40), (33, 80), (16, 16), (10, 50), (2, 64), (7, 7), (PREFILL_QUERY_CHUNK + 6,) * 2,
+                (PREFILL_QUERY_CHUNK + 26, PREFILL_QUERY_CHUNK + 56)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_chunk", [None, 1, 3, 16])
+@pytest.mark.parametrize("window", [None, 1, 6, 37])
+@pytest.mark.parametrize("heads", [(6, 2), (7, 1)])
+def test_prefill_in_query_chunks_matches_dense(heads: tuple[int, int], window: int | None,
+                                               query_chunk: int | None, dtype: torch.dtype) -> None:
+    """Every query chunk attends only the keys it can see, through its corner of the cached causal pattern (or
+    the window's mask); the chunks together give the dense result."""
+    (k_cache, v_cache), (q, k, v), meta, full_k, full_v = make_batch(CHUNKED_ROWS, *heads, 5, head_major=True)
+    k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
+    store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    start = 0
+    for i, (q_len, seq_len) in enumerate(CHUNKED_ROWS):
+        rows = slice(start, start + q_len)
+        out = paged_prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, meta.block_tables[i], seq_len,
+                                      HEAD_DIM**-0.5, window, query_chunk)
+        assert out.dtype == dtype
+        ref = dense_reference(q[rows].float(), full_k[i], full_v[i], seq_len, window)
+        torch.testing.assert_close(out.double(), ref, rtol=tolerance, atol=tolerance, msg=f"row {i}")
         start += q_len
 
 
