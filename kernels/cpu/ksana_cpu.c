@@ -1376,15 +1376,21 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
     for (int j = 0; j < cols; j++) o[j] = f32_to_bf16(bias ? v[j] + bf16_to_f32(bias[j]) : v[j]);
 }
 
-/* MR rows of the packed input (row m's k-th value at a[k * a_step + m]) x NP panels (`panel_len` apart), over
+/* MR rows of the packed input x NP panels (`panel_len` apart), over
  * k in [k0, k1): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the
  * output (MR rows, the last panel's first `last_cols` columns, plus the bias). A tile does not prefetch its own
  * panels, unlike the AVX-512 tiles: on an EPYC (Zen 3) the hardware prefetchers stream them alone, and the
  * AVX-512 tiles' two prefetches cost 25% of the time at 1 row, 13% at 4 and 6% at 16 (one-process A/B over
  * smollm2's 120 projections). With PF it prefetches lines of the block the thread streams next instead: line
- * (k - k0) * pf_step / 2^16 of `pf` at each k, so a share of them goes evenly over its k (see packed_groups). */
-#define DEFINE_PACKED_TILE_AVX2(SUF, T, MR, NP, PF)                                                              \
-    static void packed_tile_##SUF##_##MR##_##NP##_##PF(const float *a, int64_t a_step, const T *w,               \
+ * (k - k0) * pf_step / 2^16 of `pf` at each k, so a share of them goes evenly over its k (see packed_groups).
+ * Row m's k-th value is at a[k * a_step + m], or with ROWS (chunks across the input's row tiles, see
+ * avx2_row_chunks) at a[m][k * a_step]. */
+#define TILE_INPUT_0 const float *
+#define TILE_INPUT_1 const float *const *
+#define TILE_ROW_0(a, m) ((a) + (m))
+#define TILE_ROW_1(a, m) ((a)[m])
+#define DEFINE_PACKED_TILE_AVX2(SUF, T, MR, NP, PF, ROWS)                                                        \
+    static void packed_tile_##SUF##_##MR##_##NP##_##PF##ROWS(TILE_INPUT_##ROWS a, int64_t a_step, const T *w,    \
                                                        int64_t panel_len, int64_t k0, int64_t k1, int64_t K,     \
                                                        float *part, const T *bias, T *out, int64_t ldo,          \
                                                        int last_cols, const T *pf, int64_t pf_step) {            \
@@ -1396,7 +1402,8 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
         _Pragma("GCC unroll 2") for (int64_t k = k0; k < k1; k++) {                                              \
             __m256 x[MR];                                                                                        \
             if (PF) _mm_prefetch((const char *)(pf + ((k - k0) * pf_step >> 16) * PANEL), _MM_HINT_T0);          \
-            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) x[m] = _mm256_broadcast_ss(a + k * a_step + m); \
+            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                                 \
+                x[m] = _mm256_broadcast_ss(TILE_ROW_##ROWS(a, m) + k * a_step);                                  \
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
                 const T *wk = w + p * panel_len + k * PANEL;                                                     \
                 __m256 lo = w8_##SUF(wk);                                                                        \
@@ -1420,25 +1427,32 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
             }                                                                                                    \
     }
 
-#define DEFINE_PACKED_TILES_AVX2_PF(SUF, T, PF)                                                                  \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 1, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 2, PF)                          \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 3, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 4, PF)                          \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 1, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 2, PF)                          \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 3, PF) DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 1, PF)                          \
-    DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 2, PF)
-#define PACKED_TILES_AVX2_ROWS(SUF, PF)                                                                          \
+#define DEFINE_PACKED_TILES_AVX2_PF(SUF, T, PF, ROWS)                                                            \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 1, PF, ROWS) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 2, PF, ROWS)              \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 3, PF, ROWS) DEFINE_PACKED_TILE_AVX2(SUF, T, 1, 4, PF, ROWS)              \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 1, PF, ROWS) DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 2, PF, ROWS)              \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 2, 3, PF, ROWS) DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 1, PF, ROWS)              \
+    DEFINE_PACKED_TILE_AVX2(SUF, T, 3, 2, PF, ROWS)
+#define PACKED_TILES_AVX2_ROWS(SUF, V)                                                                           \
     {NULL},                                                                                                      \
-    {NULL, packed_tile_##SUF##_1_1_##PF, packed_tile_##SUF##_1_2_##PF, packed_tile_##SUF##_1_3_##PF,             \
-     packed_tile_##SUF##_1_4_##PF},                                                                              \
-    {NULL, packed_tile_##SUF##_2_1_##PF, packed_tile_##SUF##_2_2_##PF, packed_tile_##SUF##_2_3_##PF, NULL},      \
-    {NULL, packed_tile_##SUF##_3_1_##PF, packed_tile_##SUF##_3_2_##PF, NULL, NULL},
+    {NULL, packed_tile_##SUF##_1_1_##V, packed_tile_##SUF##_1_2_##V, packed_tile_##SUF##_1_3_##V,                \
+     packed_tile_##SUF##_1_4_##V},                                                                               \
+    {NULL, packed_tile_##SUF##_2_1_##V, packed_tile_##SUF##_2_2_##V, packed_tile_##SUF##_2_3_##V, NULL},         \
+    {NULL, packed_tile_##SUF##_3_1_##V, packed_tile_##SUF##_3_2_##V, NULL, NULL},
 #define DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                         \
-    DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 0) DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 1)                                \
+    DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 0, 0) DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 1, 0)                          \
+    DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 0, 1) DEFINE_PACKED_TILES_AVX2_PF(SUF, T, 1, 1)                          \
     typedef void (*packed_tile_##SUF##_fn)(const float *, int64_t, const T *, int64_t, int64_t, int64_t,         \
                                            int64_t, float *, const T *, T *, int64_t, int, const T *, int64_t);  \
-    /* [prefetching][rows][panels], for the shapes avx2_panels_per_group hands out (at most 12 accumulators) */  \
+    typedef void (*packed_rows_tile_##SUF##_fn)(const float *const *, int64_t, const T *, int64_t, int64_t,      \
+                                                int64_t, int64_t, float *, const T *, T *, int64_t, int,         \
+                                                const T *, int64_t);                                             \
+    /* [prefetching][rows][panels], for the shapes avx2_panels_per_group hands out (at most 12 accumulators); */ \
+    /* the second with a pointer per row (chunks across row tiles) */                                            \
     static const packed_tile_##SUF##_fn packed_tiles_##SUF[2][AVX2_MR + 1][5] = {                                \
-        {PACKED_TILES_AVX2_ROWS(SUF, 0)}, {PACKED_TILES_AVX2_ROWS(SUF, 1)}};
+        {PACKED_TILES_AVX2_ROWS(SUF, 00)}, {PACKED_TILES_AVX2_ROWS(SUF, 10)}};                                   \
+    static const packed_rows_tile_##SUF##_fn packed_rows_tiles_##SUF[2][AVX2_MR + 1][5] = {                      \
+        {PACKED_TILES_AVX2_ROWS(SUF, 01)}, {PACKED_TILES_AVX2_ROWS(SUF, 11)}};
 
 /* The rows of one tile of the packed input (`rows`, up to ROW_TILE) in chunks of at most AVX2_MR, as even as
  * they go: chunk c is rows [rows * c / n, rows * (c + 1) / n) of n. */
@@ -1500,6 +1514,33 @@ static inline void avx2_share_table(const avx2_next_block *next, int64_t k_len, 
     }
 }
 
+/* A row chunk above DECODE_ROWS rows (see packed_groups): `rows` input rows from row `row`; row m's values at
+ * a[m][k * step] in the packed input (see pack_row). */
+typedef struct {
+    const float *a[AVX2_MR];
+    int64_t row;
+    int rows;
+} avx2_chunk;
+/* Above DECODE_ROWS rows, three consecutive rows a chunk, across the packed input's row tiles, and 2 + 2 for a
+ * last 3 + 1. Within the tiles (3 + 3 + 2) a 2-row chunk took 0.73 of a 3-row chunk's time for 0.67 of its FLOPs
+ * (`perf` of a prefill); this way a 512-token prefill takes 0.945 of the time (median of 24 pairs, quartiles
+ * 0.926 / 0.985: the projections of the two builds taking turns in one engine, same tokens), and smollm2's four
+ * projections at 512 rows 0.94-0.98. Up to 16 rows the chunks stay within the tiles: across them (3 + 3 + 3 + 3
+ * + 2 + 2 at 16 rows), with a pointer per row for every tile, the step took 1.011-1.015 (decode_ab.py). */
+static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *chunk) {
+    int64_t chunks = avx2_chunks(M);
+    for (int64_t ci = 0; ci < chunks; ci++) {
+        int64_t left = M - ci * AVX2_MR;
+        chunk[ci].row = ci * AVX2_MR, chunk[ci].rows = (int)(left < AVX2_MR ? left : AVX2_MR);
+    }
+    if (M % AVX2_MR == 1) chunk[chunks - 2].rows = 2, chunk[chunks - 1].row--, chunk[chunks - 1].rows = 2;
+    for (int64_t ci = 0; ci < chunks; ci++)
+        for (int m = 0; m < chunk[ci].rows; m++) {
+            int64_t r = chunk[ci].row + m;
+            chunk[ci].a[m] = a + r / ROW_TILE * ROW_TILE * K + r % ROW_TILE;
+        }
+}
+
 #define DEFINE_PACKED_GROUPS(SUF, T)                                                                             \
     DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                             \
     /* The matmul over packed input `a` (pack_row's layout) for the calling thread, taking panel groups from     \
@@ -1521,7 +1562,9 @@ static inline void avx2_share_table(const avx2_next_block *next, int64_t k_len, 
         int np = avx2_panels_per_group(M);                                                                       \
         int64_t groups = (panels + np - 1) / np;                                                                 \
         /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
-        int64_t chunks = M / step * avx2_chunks(step) + (M % step ? avx2_chunks(M % step) : 0);                  \
+        int across = M > DECODE_ROWS; /* chunks across row tiles (avx2_row_chunks) */                            \
+        int64_t chunks = across ? avx2_chunks(M)                                                                 \
+                                : M / step * avx2_chunks(step) + (M % step ? avx2_chunks(M % step) : 0);         \
         int64_t part_len = 12 * 8, kblock = avx2_kblock(M);                                                      \
         float small[3 * 12 * 8];                                                                                 \
         float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
@@ -1531,6 +1574,8 @@ static inline void avx2_share_table(const avx2_next_block *next, int64_t k_len, 
         int64_t whole_bounds[AVX2_MR + 2], last_bounds[AVX2_MR + 2];                                             \
         for (int64_t c = 0; c <= n_whole; c++) whole_bounds[c] = step * c / n_whole;                             \
         for (int64_t c = 0; c <= n_last; c++) last_bounds[c] = last_rows * c / n_last;                           \
+        avx2_chunk *chunk = across ? (avx2_chunk *)malloc(sizeof(avx2_chunk) * chunks) : NULL;                   \
+        if (across) avx2_row_chunks(a, M, K, chunk);                                                             \
         avx2_shares shares = {.key = {-1}};                                                                      \
         for (int64_t g0, g1; claim_groups(next_group, groups, nthreads, &g0, &g1);) {                            \
             for (int64_t g = g0; g < g1; g++) {                                                                  \
@@ -1545,8 +1590,16 @@ static inline void avx2_share_table(const avx2_next_block *next, int64_t k_len, 
                                                      kblock, chunks);                                            \
                     avx2_share_table(&next, k1 - k0, &shares);                                                   \
                     float *pc = part;                                                                            \
+                    for (int64_t ci = 0; across && ci < chunks; ci++, pc += part_len) {                          \
+                        const avx2_chunk *c = chunk + ci;                                                        \
+                        int pf = ci < shares.n;                                                                  \
+                        int64_t pf_at = pf ? next.at + shares.at[ci] : 0;                                        \
+                        packed_rows_tiles_##SUF[pf][c->rows][gp](c->a, step, wg, panel_len, k0, k1, K, pc, bg,   \
+                                                                 out + c->row * N + p0 * PANEL, N, cols,         \
+                                                                 w + pf_at, pf ? shares.step[ci] : 0);           \
+                    }                                                                                            \
                     int64_t ci = 0; /* the chunk's index in this block */                                        \
-                    for (int64_t t0 = 0; t0 < M; t0 += step) {                                                   \
+                    for (int64_t t0 = 0; !across && t0 < M; t0 += step) {                                        \
                         int whole = M - t0 >= step;                                                              \
                         int64_t n = whole ? n_whole : n_last;                                                    \
                         const int64_t *bounds = whole ? whole_bounds : last_bounds;                              \
@@ -1564,6 +1617,7 @@ static inline void avx2_share_table(const avx2_next_block *next, int64_t k_len, 
             }                                                                                                    \
         }                                                                                                        \
         if (part != small) free(part);                                                                           \
+        free(chunk);                                                                                             \
     }
 
 /* Greedy decoding from the lm_head through the logits (the AVX-512 build fuses it: see there): the packed
