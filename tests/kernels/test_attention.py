@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from kernels import attention
 from kernels.attention import (
     PREFILL_QUERY_CHUNK,
     paged_attention,
@@ -123,14 +124,19 @@ CHUNKED_ROWS = [(40, 40), (33, 80), (16, 16), (10, 50), (2, 64), (7, 7), (PREFIL
                 (PREFILL_QUERY_CHUNK + 26, PREFILL_QUERY_CHUNK + 56)]
 
 
+@pytest.mark.parametrize("cached_pattern", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("query_chunk", [None, 1, 3, 16])
 @pytest.mark.parametrize("window", [None, 1, 6, 37])
 @pytest.mark.parametrize("heads", [(6, 2), (7, 1)])
 def test_prefill_in_query_chunks_matches_dense(heads: tuple[int, int], window: int | None,
-                                               query_chunk: int | None, dtype: torch.dtype) -> None:
-    """Every query chunk attends only the keys it can see, through its corner of the cached causal pattern (or
-    the window's mask); the chunks together give the dense result."""
+                                               query_chunk: int | None, dtype: torch.dtype, cached_pattern: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every query chunk attends only the keys it can see, through its corner of the cached causal pattern (or,
+    past the pattern's size limit or with a window, a mask of its own); the chunks together give the dense
+    result."""
+    if not cached_pattern:
+        monkeypatch.setattr(attention, "CAUSAL_PATTERN_MAX", 0)
     (k_cache, v_cache), (q, k, v), meta, full_k, full_v = make_batch(CHUNKED_ROWS, *heads, 5, head_major=True)
     k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
     store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
