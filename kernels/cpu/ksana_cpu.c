@@ -1376,15 +1376,14 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
     for (int j = 0; j < cols; j++) o[j] = f32_to_bf16(bias ? v[j] + bf16_to_f32(bias[j]) : v[j]);
 }
 
-/* MR rows of the packed input x NP panels (`panel_len` apart), over
- * k in [k0, k1): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the
- * output (MR rows, the last panel's first `last_cols` columns, plus the bias). A tile does not prefetch its own
- * panels, unlike the AVX-512 tiles: on an EPYC (Zen 3) the hardware prefetchers stream them alone, and the
- * AVX-512 tiles' two prefetches cost 25% of the time at 1 row, 13% at 4 and 6% at 16 (one-process A/B over
- * smollm2's 120 projections). With PF it prefetches lines of the block the thread streams next instead: line
- * (k - k0) * pf_step / 2^16 of `pf` at each k, so a share of them goes evenly over its k (see packed_groups).
- * Row m's k-th value is at a[k * a_step + m], or with ROWS (chunks across the input's row tiles, see
- * avx2_row_chunks) at a[m][k * a_step]. */
+/* MR rows of the packed input x NP panels (`panel_len` apart), over k in [k0, k1): the accumulators start at zero
+ * (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the output (MR rows, the last panel's first
+ * `last_cols` columns, plus the bias). A tile does not prefetch its own panels, unlike the AVX-512 tiles: on an
+ * EPYC (Zen 3) the hardware prefetchers stream them alone, and the AVX-512 tiles' two prefetches cost 25% of the
+ * time at 1 row, 13% at 4 and 6% at 16 (one-process A/B over smollm2's 120 projections). With PF it prefetches
+ * lines of the block the thread streams next instead: line (k - k0) * pf_step / 2^16 of `pf` at each k, so a share
+ * of them goes evenly over its k (see packed_groups). Row m's k-th value is at a[k * a_step + m], or with ROWS
+ * (chunks across the input's row tiles, see avx2_row_chunks) at a[m][k * a_step]. */
 #define TILE_INPUT_0 const float *
 #define TILE_INPUT_1 const float *const *
 #define TILE_ROW_0(a, m) ((a) + (m))
