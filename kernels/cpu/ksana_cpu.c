@@ -1341,10 +1341,10 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
  * panel two 8-lane halves, so at most 12 accumulators (3 x 2 and 2 x 3 panels, 1 x 4), plus the rows' broadcasts
  * and one weight vector. Each k is one 64-byte line of every panel, as in the AVX-512 tiles, and the output's
  * summation order is the same (one FMA per k, then the bias): both builds give the same bits. A decode step's
- * rows (and prefill's row tiles) go in chunks of up to 3 rows over each panel group, a block of k at a time (see
- * packed_groups). Against F.linear (MKL) over smollm2's 120 projections on an AVX2 EPYC (Zen 3, 2 threads, one
- * process): 1 row 20 ms against 56-70, 16 rows 37-50 against 108-139 (28-38 since the row chunks prefetch the next
- * block), 512 rows 115 GFLOP/s against 95. */
+ * rows (and prefill's, across row tiles: avx2_row_chunks) go in chunks of up to 3 rows over each panel group, a
+ * block of k at a time (see packed_groups). Against F.linear (MKL) over smollm2's 120 projections on an AVX2 EPYC
+ * (Zen 3, 2 threads, one process): 1 row 20 ms against 56-70, 16 rows 37-50 against 108-139 (28-38 since the row
+ * chunks prefetch the next block), 512 rows 115 GFLOP/s against 95. */
 #define AVX2_MR 3       /* input rows per tile */
 /* Values of k per pass of the row chunks over a panel group (see packed_groups): with one chunk (up to 3 rows) it
  * only sets how often the partial sums are saved; 4-8 rows 32 (4 KiB of a panel group's float32 in L1), 9-16 rows
