@@ -66,11 +66,11 @@ def npu_ops() -> KernelOps:
 
 @functools.cache
 def cpu_ops() -> KernelOps:
-    """The native CPU kernels (``kernels/cpu``) for everything but ``rotary_cos_sin`` and prefill attention (SDPA's
-    flash kernel over the new tokens is already one fused call); the projections over packed weights, and all
-    layers of a decode step in one call, only on AVX2 and AVX-512 CPUs (BLAS otherwise); the torch reference when
-    the library cannot be built. Attention keeps the reference's store/decode/prefill composition, with native store
-    and decode, so perf mode still times the two halves apart."""
+    """The native CPU kernels (``kernels/cpu``) for everything but ``rotary_cos_sin``; the projections over packed
+    weights, all layers of a decode step in one call, and float32 prefill attention only on AVX2 and AVX-512 CPUs
+    (BLAS and SDPA otherwise); the torch reference when the library cannot be built. Attention keeps the
+    reference's store/decode/prefill composition, with native parts, so perf mode still times the two halves
+    apart."""
     from kernels.cpu import load_library
 
     library = load_library()
@@ -95,10 +95,10 @@ def cpu_ops() -> KernelOps:
         apply_rotary=native.apply_rotary,
         store_kv_cache=native.store_kv_cache,
         paged_attention=attention.compose_paged_attention(
-            native.store_kv_cache, native.paged_decode_attention, attention.paged_prefill_attention
+            native.store_kv_cache, native.paged_decode_attention, native.paged_prefill_attention
         ),
         paged_decode_attention=native.paged_decode_attention,
-        paged_prefill_attention=attention.paged_prefill_attention,
+        paged_prefill_attention=native.paged_prefill_attention,
         greedy_logprobs=native.greedy_logprobs,
         kv_head_major=True,
         **(projections if native.has_linear else {}),

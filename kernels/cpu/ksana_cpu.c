@@ -889,6 +889,198 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
 DEFINE_KERNELS(f32, float)
 DEFINE_KERNELS(bf16, bf16_t)
 
+/* Causal attention of one sequence's new tokens over its paged cache (the new tokens' K/V already stored), float32,
+ * for prefill. PyTorch's CPU SDPA runs its small per-chunk GEMMs through MKL at about a fifth of the FMA peak;
+ * here a task is one KV head and PREFILL_QBLOCK consecutive query positions, whose rows (every query head of the
+ * KV head at each position) meet the keys as a small matrix product: scores = rows x keys over head_dim with the
+ * keys packed transposed in tiles of 16, an exact softmax per row (max, then exp and the sum, as the decode task),
+ * then rows x head_dim += weights x values. Query position p sees key positions (p - window, p] (window 0: all up
+ * to p). `kv_rows[i]`: where key position first_key + i's KV head 0 starts in the caches (see store_kv);
+ * KV head h lies h * head_stride further. */
+#ifdef KSANA_AVX2
+#define PREFILL_QBLOCK 16
+#define PREFILL_KTILE 16
+
+/* scores[r][0..16) = q_r . K tile for MR rows (q rows `dim` apart), the tile packed [dim][16]. */
+#define DEFINE_PREFILL_QK(MR)                                                                                    \
+    static inline void prefill_qk_##MR(const float *q, const float *kt, int64_t dim, float scale, float *s,      \
+                                       int64_t s_stride) {                                                       \
+        __m256 a[MR][2];                                                                                         \
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();            \
+        for (int64_t d = 0; d < dim; d++) {                                                                      \
+            __m256 k0 = _mm256_loadu_ps(kt + d * PREFILL_KTILE), k1 = _mm256_loadu_ps(kt + d * PREFILL_KTILE + 8);\
+            _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                               \
+                __m256 qb = _mm256_broadcast_ss(q + r * dim + d);                                                \
+                a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);                                                      \
+                a[r][1] = _mm256_fmadd_ps(qb, k1, a[r][1]);                                                      \
+            }                                                                                                    \
+        }                                                                                                        \
+        __m256 sc = _mm256_set1_ps(scale);                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                                   \
+            _mm256_storeu_ps(s + r * s_stride, _mm256_mul_ps(a[r][0], sc));                                      \
+            _mm256_storeu_ps(s + r * s_stride + 8, _mm256_mul_ps(a[r][1], sc));                                  \
+        }                                                                                                        \
+    }
+DEFINE_PREFILL_QK(6)
+DEFINE_PREFILL_QK(3)
+
+/* acc[r][0..8 * NV) += sum_j p[r][j] v_j[0..8 * NV) for three rows over keys [j0, j1). */
+#define DEFINE_PREFILL_PV(NV)                                                                                    \
+    static inline void prefill_pv3_##NV(const float *p, int64_t p_stride, const float *v_cache,                  \
+                                        const int64_t *rows, int64_t j0, int64_t j1, float *acc, int64_t dim) {  \
+        __m256 r[3][NV];                                                                                         \
+        _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++)                                                      \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) r[b][c] = _mm256_setzero_ps();                  \
+        for (int64_t j = j0; j < j1; j++) {                                                                      \
+            const float *v = v_cache + rows[j];                                                                  \
+            __m256 w[3];                                                                                         \
+            _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++) w[b] = _mm256_broadcast_ss(p + b * p_stride + j);\
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) {                                               \
+                __m256 x = _mm256_loadu_ps(v + 8 * c);                                                           \
+                _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++) r[b][c] = _mm256_fmadd_ps(w[b], x, r[b][c]); \
+            }                                                                                                    \
+        }                                                                                                        \
+        _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++)                                                      \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) _mm256_storeu_ps(acc + b * dim + 8 * c, r[b][c]);\
+    }
+DEFINE_PREFILL_PV(4)
+DEFINE_PREFILL_PV(1)
+
+/* One task: KV head h, query positions [p0, p1) (absolute). Rows are position-major, the group's query heads
+ * within a position: row i * group + g. Score columns start at the task's first key tile, tile `t0` of `kt`. */
+static NOINLINE void prefill_task_f32(const float *q, int64_t q_stride, const float *kt, const float *v_cache,
+                                      const int64_t *kv_rows, int64_t context_len, int64_t first_key, int64_t p0,
+                                      int64_t p1, int64_t h, int64_t group, int64_t dim, int64_t head_stride,
+                                      float scale, int64_t window, float *out, int64_t out_stride) {
+    int64_t npos = p1 - p0, nrows = npos * group;
+    int64_t lo = window > 0 && p0 - window + 1 > first_key ? p0 - window + 1 : first_key; /* first key seen */
+    int64_t t0 = (lo - first_key) / PREFILL_KTILE, t1 = (p1 - first_key + PREFILL_KTILE - 1) / PREFILL_KTILE;
+    int64_t width = (t1 - t0) * PREFILL_KTILE, col0 = first_key + t0 * PREFILL_KTILE; /* column 0's position */
+    const int64_t *rows = kv_rows + t0 * PREFILL_KTILE;
+    const float *vc = v_cache + h * head_stride;
+    float *qp = (float *)malloc(sizeof(float) * (nrows + 6) * dim); /* +6: room for the 6-row kernel's last rows */
+    float *s = (float *)malloc(sizeof(float) * (nrows + 6) * width);
+    float *acc = (float *)malloc(sizeof(float) * group * dim);
+    int64_t *key_lo = (int64_t *)malloc(sizeof(int64_t) * npos); /* each position's first visible column */
+    for (int64_t i = 0; i < npos; i++) {
+        for (int64_t g = 0; g < group; g++)
+            memcpy(qp + (i * group + g) * dim, q + (p0 + i - context_len) * q_stride + (h * group + g) * dim,
+                   sizeof(float) * dim);
+        int64_t first = window > 0 && p0 + i - window + 1 > lo ? p0 + i - window + 1 : lo;
+        key_lo[i] = first - col0;
+    }
+    memset(qp + nrows * dim, 0, sizeof(float) * 6 * dim);
+    /* scores, six rows at a time (three when fewer are left), over the tiles the rows see */
+    for (int64_t r0 = 0; r0 < nrows;) {
+        int mr = nrows - r0 >= 6 ? 6 : 3;
+        int64_t last_pos = (r0 + mr - 1) / group < npos ? (r0 + mr - 1) / group : npos - 1;
+        int64_t first_tile = key_lo[r0 / group] / PREFILL_KTILE, end_tile = (p0 + last_pos - col0) / PREFILL_KTILE + 1;
+        for (int64_t t = first_tile; t < end_tile; t++) {
+            const float *tile = kt + (t0 + t) * PREFILL_KTILE * dim;
+            if (mr == 6)
+                prefill_qk_6(qp + r0 * dim, tile, dim, scale, s + r0 * width + t * PREFILL_KTILE, width);
+            else
+                prefill_qk_3(qp + r0 * dim, tile, dim, scale, s + r0 * width + t * PREFILL_KTILE, width);
+        }
+        r0 += mr;
+    }
+    /* per position: each row's softmax weights over its columns [j0, j1), then its heads' sums of values */
+    for (int64_t i = 0; i < npos; i++) {
+        int64_t j0 = key_lo[i], j1 = p0 + i - col0 + 1;
+        float sums[group];
+        /* the last (j1 - j0) % 8 columns through masked loads and stores */
+        int64_t full = j0 + (j1 - j0) / 8 * 8;
+        __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(j1 - full)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int64_t g = 0; g < group; g++) {
+            float *sr = s + (i * group + g) * width;
+            __m256 vm = _mm256_set1_ps(-INFINITY), vsum = _mm256_setzero_ps();
+            for (int64_t j = j0; j < full; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sr + j));
+            __m256 last = _mm256_maskload_ps(sr + full, tail);
+            vm = _mm256_max_ps(vm, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), last, _mm256_castsi256_ps(tail)));
+            vm = _mm256_max_ps(vm, _mm256_permute2f128_ps(vm, vm, 1));
+            vm = _mm256_max_ps(vm, _mm256_permute_ps(vm, 0x4e));
+            vm = _mm256_max_ps(vm, _mm256_permute_ps(vm, 0xb1));
+            for (int64_t j = j0; j < full; j += 8) {
+                __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vm));
+                vsum = _mm256_add_ps(vsum, e);
+                _mm256_storeu_ps(sr + j, e);
+            }
+            __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(last, vm)), _mm256_castsi256_ps(tail));
+            _mm256_maskstore_ps(sr + full, tail, e);
+            sums[g] = sum8(_mm256_add_ps(vsum, e));
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += 3) { /* three heads at a time, the rest (group % 3) one by one */
+            const float *p = s + (i * group + g0) * width;
+            float *a = acc + g0 * dim;
+            if (group - g0 >= 3) {
+                int64_t d0 = 0;
+                for (; d0 + 32 <= dim; d0 += 32) prefill_pv3_4(p, width, vc + d0, rows, j0, j1, a + d0, dim);
+                for (; d0 < dim; d0 += 8) prefill_pv3_1(p, width, vc + d0, rows, j0, j1, a + d0, dim);
+                continue;
+            }
+            for (int64_t b = 0; b < group - g0; b++)
+                for (int64_t d = 0; d < dim; d++) {
+                    float x = 0.f;
+                    for (int64_t j = j0; j < j1; j++) x = fmaf(p[b * width + j], vc[rows[j] + d], x);
+                    a[b * dim + d] = x;
+                }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float inv = 1.0f / sums[g];
+            float *o = out + (p0 + i - context_len) * out_stride + (h * group + g) * dim;
+            for (int64_t d = 0; d < dim; d++) o[d] = acc[g * dim + d] * inv;
+        }
+    }
+    free(qp);
+    free(s);
+    free(acc);
+    free(key_lo);
+}
+
+void prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                           const int64_t *table, int64_t q_len, int64_t seq_len, int64_t nheads, int64_t nkv,
+                           int64_t dim, int64_t block_size, int64_t slot_stride, int64_t head_stride, float scale,
+                           int64_t window, float *out, int nthreads) {
+    int64_t context_len = seq_len - q_len, group = nheads / nkv;
+    int64_t first_key = window > 0 && context_len - window + 1 > 0 ? context_len - window + 1 : 0;
+    int64_t nk = seq_len - first_key, tiles = (nk + PREFILL_KTILE - 1) / PREFILL_KTILE;
+    int64_t *kv_rows = (int64_t *)malloc(sizeof(int64_t) * tiles * PREFILL_KTILE);
+    for (int64_t p = first_key; p < seq_len; p++)
+        kv_rows[p - first_key] = table[p / block_size] * block_size * nkv * dim + p % block_size * slot_stride;
+    /* every KV head's keys transposed once, tile by tile ([dim][16] each; the last tile's missing keys zero) */
+    float *kt = (float *)malloc(sizeof(float) * nkv * tiles * PREFILL_KTILE * dim);
+    int64_t blocks = (q_len + PREFILL_QBLOCK - 1) / PREFILL_QBLOCK, tasks = blocks * nkv;
+    _Pragma("omp parallel num_threads(nthreads) if (tasks > 1)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t ht = 0; ht < nkv * tiles; ht++) {
+            const float *kc = k_cache + ht / tiles * head_stride;
+            float *tile = kt + ht * PREFILL_KTILE * dim;
+            for (int64_t j = 0; j < PREFILL_KTILE; j++) {
+                int64_t key = ht % tiles * PREFILL_KTILE + j;
+                for (int64_t d = 0; d < dim; d++)
+                    tile[d * PREFILL_KTILE + j] = key < nk ? kc[kv_rows[key] + d] : 0.f;
+            }
+        }
+        /* the last positions (the most keys) first, so that the short tasks even out the threads at the end */
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t block = blocks - 1 - task / nkv, p0 = context_len + block * PREFILL_QBLOCK, h = task % nkv;
+            int64_t p1 = p0 + PREFILL_QBLOCK < seq_len ? p0 + PREFILL_QBLOCK : seq_len;
+            prefill_task_f32(q, q_stride, kt + h * tiles * PREFILL_KTILE * dim, v_cache, kv_rows, context_len,
+                             first_key, p0, p1, h, group, dim, head_stride, scale, window, out, nheads * dim);
+        }
+    }
+    free(kt);
+    free(kv_rows);
+}
+int prefill_attention_available(void) { return 1; }
+#else
+/* Without AVX2 this only exists so every build exports the same names; Python never calls it. */
+void prefill_attention_f32(void) { abort(); }
+int prefill_attention_available(void) { return 0; }
+#endif
+
 /* Greedy sampling's two numbers per row of float32 logits, in two passes over the row and no [rows, vocab]
  * temporary: the index of the first maximum (as torch's argmax; a NaN counts as the maximum, the first one wins)
  * and log_softmax's value there, -log(sum(exp(x - max))) (NaN where log_softmax gives NaN: a NaN or an infinite

@@ -72,6 +72,7 @@ class NativeCPUOps:
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
         self._greedy_logprobs = library.greedy_logprobs
+        self._prefill_attention = library.prefill_attention_f32 if library.prefill_attention_available() else None
         # The address table, windows and cache layout of the last ``DecodeLayers`` seen: a model passes the same
         # one each step (a new KV cache makes a new one).
         self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
@@ -270,6 +271,25 @@ class NativeCPUOps:
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
             block_size, *layout, scale, sliding_window or 0, torch.get_num_threads())
+        return out
+
+    def paged_prefill_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """``attention.paged_prefill_attention`` in float32 on AVX2 CPUs (``prefill_attention`` in ksana_cpu.c reads
+        every key, the new ones too, from the cache, where the store already put them); the reference otherwise."""
+        layout = _cache_layout(k_cache, v_cache)
+        q_len, num_heads, head_dim = query.shape
+        if not (self._prefill_attention is not None and query.dtype == k_cache.dtype == torch.float32
+                and _heads_ok(query) and layout is not None and head_dim % 8 == 0 and q_len > 0
+                and block_table.dtype == torch.int64 and block_table.is_contiguous()):
+            return attention.paged_prefill_attention(query, key, value, k_cache, v_cache, block_table, seq_len,
+                                                     scale, sliding_window)
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        out = torch.empty((q_len, num_heads, head_dim), dtype=query.dtype)
+        self._prefill_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                block_table.data_ptr(), q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size,
+                                *layout, scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
         return out
 
 

@@ -36,7 +36,8 @@ def native() -> NativeCPUOps:
 def test_cpu_dispatch_picks_the_native_kernels() -> None:
     ops = cpu_ops()
     assert ops.name == "cpu-native"
-    assert ops.paged_prefill_attention is attention.paged_prefill_attention
+    # the native prefill wrapper, which keeps SDPA where its kernel does not apply
+    assert ops.paged_prefill_attention.__func__ is NativeCPUOps.paged_prefill_attention
 
 
 # The instruction sets below this CPU's (at least the portable C): what other CPUs run, built and checked here.
@@ -282,6 +283,62 @@ def test_decode_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
     for i, (_, seq_len) in enumerate(rows):
         ref = dense_reference(q[i : i + 1], full_k[i], full_v[i], seq_len, 8)
         torch.testing.assert_close(out[i : i + 1].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _prefill_case(head_dim: int, num_heads: int, num_kv_heads: int, q_len: int, seq_len: int, seed: int,
+                  head_major: bool = True, dtype: torch.dtype = torch.float32):
+    """One sequence's whole context stored in a shuffled block table, its last ``q_len`` queries."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, block_size = -(-seq_len // 16) + 3, 16
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    if head_major:
+        k_cache, v_cache = as_head_major(k_cache), as_head_major(v_cache)
+    table = torch.randperm(num_blocks, generator=gen)[: -(-seq_len // block_size)]
+    keys, values = (torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    slots = table[torch.arange(seq_len) // block_size] * block_size + torch.arange(seq_len) % block_size
+    for cache, rows in ((k_cache, keys), (v_cache, values)):
+        cache[slots // block_size, slots % block_size] = rows
+    q = torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype)
+    return q, keys, values, k_cache, v_cache, table
+
+
+# (q_len, seq_len): one position, fresh prompts inside one and across several query blocks of 16 and key tiles
+# of 16, a chunk over a cached prefix that starts mid-tile, a long one over a long prefix.
+NATIVE_PREFILLS = [(1, 1), (5, 5), (16, 16), (17, 17), (50, 50), (23, 61), (100, 300)]
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 16, 45])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (9, 3, 40), (4, 4, 8), (8, 2, 16), (7, 1, 24)])
+def test_native_prefill_attention_matches_dense(native: NativeCPUOps, num_heads: int, num_kv_heads: int,
+                                                head_dim: int, window: int | None) -> None:
+    """The float32 prefill kernel (query blocks of 16 positions against key tiles of 16; 32-wide and 8-wide
+    value chunks; query groups of 3, of 1, and of 4 and 7 with heads left over) against a float64 dense result."""
+    assert (native._prefill_attention is not None) == native.has_linear  # an AVX2 build has it, a portable not
+    for i, (q_len, seq_len) in enumerate(NATIVE_PREFILLS):
+        q, keys, values, k_cache, v_cache, table = _prefill_case(head_dim, num_heads, num_kv_heads, q_len, seq_len,
+                                                                 seed=i, head_major=i % 2 == 0)
+        out = native.paged_prefill_attention(q, keys[-q_len:], values[-q_len:], k_cache, v_cache, table, seq_len,
+                                             head_dim**-0.5, window)
+        ref = dense_reference(q, keys, values, seq_len, window)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5, msg=f"{q_len} of {seq_len}")
+
+
+def test_native_prefill_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
+    """As decode: blocks before the window may hold garbage (reused SWA blocks); NaNs there never reach the output."""
+    q, keys, values, k_cache, v_cache, table = _prefill_case(64, 9, 3, 20, 120, seed=5)
+    for block in table[: (120 - 20 - 8) // 16].tolist():
+        k_cache[block] = v_cache[block] = float("nan")
+    out = native.paged_prefill_attention(q, keys[-20:], values[-20:], k_cache, v_cache, table, 120, 0.125, 8)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), dense_reference(q, keys, values, 120, 8), rtol=1e-5, atol=1e-5)
+
+
+def test_native_prefill_keeps_sdpa_for_bfloat16(native: NativeCPUOps) -> None:
+    q, keys, values, k_cache, v_cache, table = _prefill_case(64, 9, 3, 30, 40, seed=6, dtype=torch.bfloat16)
+    args = (q, keys[-30:], values[-30:], k_cache, v_cache, table, 40, 0.125, None)
+    assert torch.equal(native.paged_prefill_attention(*args), attention.paged_prefill_attention(*args))
 
 
 def test_unsupported_dtype_uses_the_reference(native: NativeCPUOps) -> None:
