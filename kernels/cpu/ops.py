@@ -72,7 +72,8 @@ class NativeCPUOps:
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
         self._greedy_logprobs = library.greedy_logprobs
-        self._prefill_attention = library.prefill_attention_f32 if library.prefill_attention_available() else None
+        available = hasattr(library, "prefill_attention_f32") and library.prefill_attention_available()
+        self._prefill_attention = library.prefill_attention_f32 if available else None
         # The address table, windows and cache layout of the last ``DecodeLayers`` seen: a model passes the same
         # one each step (a new KV cache makes a new one).
         self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
