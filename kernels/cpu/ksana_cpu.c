@@ -615,9 +615,9 @@ static inline __m256 silu8(__m256 g) {
 }
 #define SILU_AND_MUL_AVX2(SUF)                                                                                  \
     for (; j + 8 <= d; j += 8) {                                                                                \
-        __m256 prod = _mm256_mul_ps(round8_##SUF(silu8(load8_##SUF(g + j))), load8_##SUF(u + j));               \
+        __m256 prod = _mm256_mul_ps(round8_##SUF(silu8(load8_##SUF(g + j))), load8_##SUF(u + j));                \
         float vals[8];                                                                                          \
-        _mm256_storeu_ps(vals, prod);                                                                           \
+        _mm256_storeu_ps(vals, prod);                                                                            \
         for (int l = 0; l < 8; l++) store_##SUF(o + j + l, vals[l]);                                            \
     }
 #define DECODE_AVX2 1
@@ -908,7 +908,8 @@ DEFINE_KERNELS(bf16, bf16_t)
         __m256 a[MR][2];                                                                                         \
         _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();            \
         for (int64_t d = 0; d < dim; d++) {                                                                      \
-            __m256 k0 = _mm256_loadu_ps(kt + d * PREFILL_KTILE), k1 = _mm256_loadu_ps(kt + d * PREFILL_KTILE + 8);\
+            const float *row = kt + d * PREFILL_KTILE;                                                           \
+            __m256 k0 = _mm256_loadu_ps(row), k1 = _mm256_loadu_ps(row + 8);                                     \
             _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                               \
                 __m256 qb = _mm256_broadcast_ss(q + r * dim + d);                                                \
                 a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);                                                      \
@@ -941,7 +942,8 @@ DEFINE_PREFILL_QK(3)
             }                                                                                                    \
         }                                                                                                        \
         _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++)                                                      \
-            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) _mm256_storeu_ps(acc + b * dim + 8 * c, r[b][c]);\
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++)                                                 \
+                _mm256_storeu_ps(acc + b * dim + 8 * c, r[b][c]);                                                \
     }
 DEFINE_PREFILL_PV(4)
 DEFINE_PREFILL_PV(1)
@@ -974,7 +976,8 @@ static NOINLINE void prefill_task_f32(const float *q, int64_t q_stride, const fl
     for (int64_t r0 = 0; r0 < nrows;) {
         int mr = nrows - r0 >= 6 ? 6 : 3;
         int64_t last_pos = (r0 + mr - 1) / group < npos ? (r0 + mr - 1) / group : npos - 1;
-        int64_t first_tile = key_lo[r0 / group] / PREFILL_KTILE, end_tile = (p0 + last_pos - col0) / PREFILL_KTILE + 1;
+        int64_t first_tile = key_lo[r0 / group] / PREFILL_KTILE;
+        int64_t end_tile = (p0 + last_pos - col0) / PREFILL_KTILE + 1;
         for (int64_t t = first_tile; t < end_tile; t++) {
             const float *tile = kt + (t0 + t) * PREFILL_KTILE * dim;
             if (mr == 6)
@@ -990,7 +993,8 @@ static NOINLINE void prefill_task_f32(const float *q, int64_t q_stride, const fl
         float sums[group];
         /* the last (j1 - j0) % 8 columns through masked loads and stores */
         int64_t full = j0 + (j1 - j0) / 8 * 8;
-        __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(j1 - full)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(j1 - full)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         for (int64_t g = 0; g < group; g++) {
             float *sr = s + (i * group + g) * width;
             __m256 vm = _mm256_set1_ps(-INFINITY), vsum = _mm256_setzero_ps();
