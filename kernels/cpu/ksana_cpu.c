@@ -901,7 +901,7 @@ DEFINE_KERNELS(bf16, bf16_t)
 #define PREFILL_QBLOCK 16
 #define PREFILL_KTILE 16
 
-/* scores[r][0..16) = q_r . K tile for MR rows (q rows `dim` apart), the tile packed [dim][16]. */
+/* s[r][0..16) = scale * (q_r . each key of a tile) for MR rows (q rows `dim` apart), the tile packed [dim][16]. */
 #define DEFINE_PREFILL_QK(MR)                                                                                    \
     static inline void prefill_qk_##MR(const float *q, const float *kt, int64_t dim, float scale, float *s,      \
                                        int64_t s_stride) {                                                       \
@@ -925,7 +925,7 @@ DEFINE_KERNELS(bf16, bf16_t)
 DEFINE_PREFILL_QK(6)
 DEFINE_PREFILL_QK(3)
 
-/* acc[r][0..8 * NV) += sum_j p[r][j] v_j[0..8 * NV) for three rows over keys [j0, j1). */
+/* acc[r][0..8 * NV) = sum_j p[r][j] v_j[0..8 * NV) for three rows over keys [j0, j1). */
 #define DEFINE_PREFILL_PV(NV)                                                                                    \
     static inline void prefill_pv3_##NV(const float *p, int64_t p_stride, const float *v_cache,                  \
                                         const int64_t *rows, int64_t j0, int64_t j1, float *acc, int64_t dim) {  \
