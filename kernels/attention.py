@@ -8,8 +8,9 @@ Masks follow Hugging Face: a query at position ``p`` sees keys at ``k <= p``, an
 only ``p - W < k <= p`` (``transformers.masking_utils.sliding_window_overlay``).
 
 Decode rows (one new token each) are computed together with one gather and one SDPA call; prefill rows loop
-per sequence (on CPU, per chunk of ``PREFILL_QUERY_CHUNK`` queries). Grouped-query attention never copies K/V per query head: decode folds the query heads of a
-KV group into SDPA's query-length dimension, prefill uses SDPA's ``enable_gqa``.
+per sequence (on CPU, per chunk of ``PREFILL_QUERY_CHUNK`` queries). Grouped-query attention never copies K/V per
+query head: decode folds the query heads of a KV group into SDPA's query-length dimension, prefill uses SDPA's
+``enable_gqa``. On AVX2 CPUs the native kernels (``kernels/cpu``) take decode, and float32 prefill, instead.
 """
 
 from __future__ import annotations
