@@ -123,13 +123,14 @@ def load_library() -> ctypes.CDLL | None:
     return _bind(library)
 
 
-def build_library(source: Path, directory: Path) -> ctypes.CDLL:
-    """Another source of the kernels (an older revision, an experiment) compiled with this machine's flags into
-    ``directory``, uncached, and loaded: ``bench/decode_ab.py`` runs two builds in one engine."""
+def build_library(source: Path, directory: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Another source of the kernels (an older revision, an experiment) compiled with this machine's flags, plus
+    ``-D`` each of ``defines``, into ``directory``, uncached, and loaded: ``bench/decode_ab.py`` runs two builds in
+    one engine, ``bench/decode_phases.py`` the build with ``KSANA_PHASE_CLOCK``."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found")
-    _compile(compiler, compiler_flags(), directory, source)
+    _compile(compiler, [*compiler_flags(), *(f"-D{name}" for name in defines)], directory, source)
     return _bind(ctypes.CDLL(str(directory / LIBRARY_NAME)))
 
 

@@ -1978,6 +1978,57 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
     }
 }
 
+/* The fused step's phases, timed: only in the build bench/decode_phases.py makes (-DKSANA_PHASE_CLOCK). Each
+ * thread adds, per phase, the time from leaving the previous barrier to reaching this phase's (work) and the time it
+ * then waits there (wait); decode_phase_clock hands the sums over and clears them. Without the flag TEAM_WAIT is the
+ * plain barrier and the kernel is the one the engine runs. */
+enum { PHASE_NORM, PHASE_QKV, PHASE_STORE, PHASE_ATTENTION, PHASE_COMBINE, PHASE_PACK, PHASE_O, PHASE_POST_NORM,
+       PHASE_GATE_UP, PHASE_SILU, PHASE_DOWN, PHASES };
+#define PHASE_THREADS 64 /* threads clocked; more run unclocked */
+#ifdef KSANA_PHASE_CLOCK
+#include <time.h>
+typedef struct {
+    _Alignas(64) double work[PHASES], wait[PHASES], mark;
+} phase_clock;
+static phase_clock phase_clocks[PHASE_THREADS];
+
+static inline double phase_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void phase_start(int tid) {
+    if (tid < PHASE_THREADS) phase_clocks[tid].mark = phase_now();
+}
+
+static void team_wait_clocked(team_barrier *barrier, int nthreads, int *my_sense, int tid, int phase) {
+    double arrived = phase_now();
+    team_wait(barrier, nthreads, my_sense);
+    if (tid >= PHASE_THREADS) return;
+    phase_clock *clock = &phase_clocks[tid];
+    double left = phase_now();
+    clock->work[phase] += arrived - clock->mark;
+    clock->wait[phase] += left - arrived;
+    clock->mark = left;
+}
+
+/* out[t][0][p], out[t][1][p]: thread t's work and wait seconds in phase p since the last call, t < threads. */
+void decode_phase_clock(double *out, int threads) {
+    for (int t = 0; t < threads && t < PHASE_THREADS; t++)
+        for (int p = 0; p < PHASES; p++) {
+            out[(t * 2) * PHASES + p] = phase_clocks[t].work[p];
+            out[(t * 2 + 1) * PHASES + p] = phase_clocks[t].wait[p];
+            phase_clocks[t].work[p] = phase_clocks[t].wait[p] = 0.0;
+        }
+}
+#define TEAM_WAIT(phase) team_wait_clocked(&barrier, nth, &sense, tid, phase)
+#define PHASE_START(tid) phase_start(tid)
+#else
+#define TEAM_WAIT(phase) team_wait(&barrier, nth, &sense)
+#define PHASE_START(tid) ((void)0)
+#endif
+
 #define DECODE_LAYER_FIELDS 12
 /* Row b's q and k rotated into qk, its k and v stored in the KV cache (decode_layers' locals). */
 #define ROTATE_AND_STORE(SUF, b)                                                                                 \
@@ -2017,6 +2068,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
         _Pragma("omp parallel num_threads(nthreads)")                                                            \
         {                                                                                                        \
             int tid = omp_get_thread_num(), nth = omp_get_num_threads(), sense = 0;                              \
+            PHASE_START(tid);                                                                                    \
             /* row-wise phases: this thread's rows are whole row tiles (round robin), see pack_row */            \
             int64_t mine[M > 0 ? M : 1], nmine = 0;                                                              \
             for (int64_t t = tid; t < row_tiles; t += nth)                                                       \
@@ -2043,15 +2095,15 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                     }                                                                                            \
                 }                                                                                                \
                 pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_NORM);                                                                           \
                 packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth, NULL);              \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_QKV);                                                                            \
                 decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], slot_stride,           \
                                                head_stride, nthreads);                                           \
                 int whole_seqs = plan.kv_per_task == nkv && plan.splits == 1; /* a task is a whole sequence */   \
                 if (!whole_seqs) { /* tasks share sequences: rotary and KV store first */                        \
                     for (int64_t i = 0; i < nmine; i++) ROTATE_AND_STORE(SUF, mine[i]);                          \
-                    team_wait(&barrier, nth, &sense);                                                            \
+                    TEAM_WAIT(PHASE_STORE);                                                                      \
                 }                                                                                                \
                 for (int64_t tasks = plan.whole_tasks * plan.splits;;) {                                         \
                     int64_t task = __atomic_fetch_add(next_task, 1, __ATOMIC_RELAXED);                           \
@@ -2061,32 +2113,32 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
                                           seq_lens, attn, nheads, dim, block_size, scale, windows[l],            \
                                           plan.splits > 1 ? parts : NULL);                                       \
                 }                                                                                                \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_ATTENTION);                                                                      \
                 if (plan.splits > 1) { /* the split parts combined, whole tasks shared out in turn */            \
                     for (int64_t whole = tid; whole < plan.whole_tasks; whole += nth)                            \
                         decode_combine_##SUF(&plan, whole, parts, attn, nheads, dim);                            \
-                    team_wait(&barrier, nth, &sense);                                                            \
+                    TEAM_WAIT(PHASE_COMBINE);                                                                    \
                 }                                                                                                \
                 pack_tiles_##SUF(attn, q, q, a, M, tid, nth);                                                    \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_PACK);                                                                           \
                 packed_groups_##SUF(a, o_w, o_b, h, M, hidden, q, next_group + 1, nth, NULL);                    \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_O);                                                                              \
                 for (int64_t i = 0; i < nmine; i++) { /* residual += h; x = norm(residual) */                    \
                     int64_t r = mine[i];                                                                         \
                     rms_norm_row_##SUF(h + r * hidden, residual + r * hidden, residual + r * hidden, post_norm,  \
                                        x + r * hidden, hidden, eps);                                             \
                 }                                                                                                \
                 pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_POST_NORM);                                                                      \
                 packed_groups_##SUF(a, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden, next_group + 2,      \
                                     nth, NULL);                                                                  \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_GATE_UP);                                                                        \
                 for (int64_t i = 0; i < nmine; i++)                                                              \
                     SILU_AND_MUL_ROW(SUF)(gate_up + mine[i] * 2 * inter, act + mine[i] * inter, inter);          \
                 pack_tiles_##SUF(act, inter, inter, a, M, tid, nth);                                             \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_SILU);                                                                           \
                 packed_groups_##SUF(a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth, NULL);          \
-                team_wait(&barrier, nth, &sense);                                                                \
+                TEAM_WAIT(PHASE_DOWN);                                                                           \
             }                                                                                                    \
         }                                                                                                        \
         free(x);                                                                                                 \
