@@ -98,6 +98,9 @@ def clocked_ops(directory: Path) -> tuple[NativeCPUOps, ctypes.CDLL]:
     library = build.build_library(build.SOURCE, directory, defines=("KSANA_PHASE_CLOCK",))
     library.decode_phase_clock.argtypes = (ctypes.c_void_p, ctypes.c_int)
     library.decode_phase_clock.restype = None
+    library.decode_phase_count.restype = ctypes.c_int
+    if library.decode_phase_count() != len(PHASES):  # the C enum changed without PHASES
+        raise RuntimeError(f"the clocked build has {library.decode_phase_count()} phases, PHASES names {len(PHASES)}")
     return NativeCPUOps(library), library
 
 

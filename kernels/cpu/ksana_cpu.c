@@ -2013,6 +2013,9 @@ static void team_wait_clocked(team_barrier *barrier, int nthreads, int *my_sense
     clock->mark = left;
 }
 
+/* How many phases the clock has: bench/decode_phases.py's names must match the enum above. */
+int decode_phase_count(void) { return PHASES; }
+
 /* out[t][0][p], out[t][1][p]: thread t's work and wait seconds in phase p since the last call, t < threads. */
 void decode_phase_clock(double *out, int threads) {
     for (int t = 0; t < threads && t < PHASE_THREADS; t++)
