@@ -13,9 +13,11 @@ first in the first, third, ... round and online first in the others, so drift an
 is pooled: the online runs' tokens over their summed seconds against the offline runs'; every round's own ratio is
 kept too. Whichever engine is not running sits idle (its threads asleep; the server's CPU during the offline runs
 is recorded to show it). The load generator's own CPU time (parsing one SSE event per token) is part of what the
-online figure pays, as it is for any client on the same host.
+online figure pays, as it is for any client on the same host. Each online run also records the CPU that competes
+with the server's forward threads, per output token: the server's event-loop thread's and the load generator's.
+That figure moves far less than the ratio, so a change to the serving path shows in it first.
 
-    python bench/serving_vs_offline.py            # smollm2: 64 requests, input 32-256, output 64-256, 3 rounds
+    python bench/serving_vs_offline.py            # smollm2: 64 requests, input 32-256, output 64-256, 4 rounds
     python bench/serving_vs_offline.py --quick    # the demo model, a few requests: checks the script
 """
 
@@ -109,17 +111,38 @@ def run_online(target: OnlineTarget, workload) -> dict[str, Any]:
 
 def process_cpu_s(pid: int) -> float | None:
     """User + system seconds of a process so far (Linux ``/proc``; None elsewhere)."""
+    return _stat_cpu_s(Path(f"/proc/{pid}/stat"))
+
+
+def loop_thread_cpu_s(pid: int) -> float | None:
+    """The same for the server's main thread alone: the one its event loop (HTTP, streams, scheduler) runs on."""
+    return _stat_cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
+
+
+def _stat_cpu_s(stat: Path) -> float | None:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def run_online_measured(target: OnlineTarget, workload, server_pid: int) -> dict[str, Any]:
+    """``run_online`` plus the CPU that competes with the server's forward threads: the server's loop thread and
+    this process (the load generator), each in microseconds per output token (the ratio's cost, with less noise)."""
+    loop_before, client_before = loop_thread_cpu_s(server_pid), time.process_time()
+    run = run_online(target, workload)
+    client_s = time.process_time() - client_before
+    run["client_cpu_us_per_token"] = client_s / run["output_tokens"] * 1e6
+    if loop_before is not None:
+        run["loop_cpu_us_per_token"] = (loop_thread_cpu_s(server_pid) - loop_before) / run["output_tokens"] * 1e6
+    return run
+
+
 # ---- the run ------------------------------------------------------------------------------------------------------
 def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
               endpoint: str = "/v1/completions", seed: int = 0, engine_flags: tuple[str, ...] = (),
-              rounds: int = 3) -> dict[str, Any]:
+              rounds: int = 4) -> dict[str, Any]:
     """``rounds`` interleaved runs of one workload on each side; ``engine_flags`` are ``ksana serve`` flags of the
     shared config (``--max-batch-size 32``), given to the server as flags and to ``LLM`` as the same overrides."""
     import torch
@@ -148,7 +171,7 @@ def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_l
                     if server_cpu is not None:
                         runs[side]["server_cpu_s"] = process_cpu_s(server.proc.pid) - server_cpu
                 else:
-                    runs[side] = run_online(target, workload)
+                    runs[side] = run_online_measured(target, workload, server.proc.pid)
                 print(f"round {index + 1}/{rounds} {side:<8} {runs[side]['seconds']:7.2f} s "
                       f"{runs[side]['output_tok_s']:8.1f} out tok/s", flush=True)
             per_round.append({"order": list(runs), **runs,
@@ -182,8 +205,12 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's runs together: summed tokens over summed seconds."""
     seconds = sum(r["seconds"] for r in runs)
     tokens = sum(r["output_tokens"] for r in runs)
-    return {"runs": len(runs), "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "failed": sum(r.get("failed", 0) for r in runs)}
+    pooled = {"runs": len(runs), "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+              "failed": sum(r.get("failed", 0) for r in runs)}
+    for key in ("loop_cpu_us_per_token", "client_cpu_us_per_token"):
+        if all(key in r for r in runs):
+            pooled[key] = sum(r[key] * r["output_tokens"] for r in runs) / tokens
+    return pooled
 
 
 def _flags_as_overrides(flags: list[str]) -> dict[str, Any]:
@@ -215,17 +242,23 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['output_len']} tokens ({report['requested_output_tokens']} in all), {report['endpoint']}, "
         f"{len(report['rounds'])} rounds",
         f"{'round':<7}{'first':<9}{'offline tok/s':>14}{'online tok/s':>14}{'ratio':>8}{'online TTFT':>13}"
-        f"{'TPOT':>9}",
+        f"{'TPOT':>9}{'loop us/tok':>13}{'client us/tok':>15}",
     ]
     for index, r in enumerate(report["rounds"], 1):
         on = r["online"]
         lines.append(f"{index:<7}{r['order'][0]:<9}{r['offline']['output_tok_s']:>14.1f}{on['output_tok_s']:>14.1f}"
-                     f"{r['ratio']:>8.3f}{on['mean_ttft_ms']:>10.0f} ms{on['mean_tpot_ms']:>6.0f} ms")
+                     f"{r['ratio']:>8.3f}{on['mean_ttft_ms']:>10.0f} ms{on['mean_tpot_ms']:>6.0f} ms"
+                     f"{_us(on.get('loop_cpu_us_per_token')):>13}{_us(on['client_cpu_us_per_token']):>15}")
     off, on = report["offline"], report["online"]
-    lines.append(f"{'pooled':<16}{off['output_tok_s']:>14.1f}{on['output_tok_s']:>14.1f}{report['ratio']:>8.3f}")
+    lines.append(f"{'pooled':<16}{off['output_tok_s']:>14.1f}{on['output_tok_s']:>14.1f}{report['ratio']:>8.3f}"
+                 f"{'':>22}{_us(on.get('loop_cpu_us_per_token')):>13}{_us(on['client_cpu_us_per_token']):>15}")
     lines.append(f"online / offline: {report['ratio']:.3f} pooled, {report['ratio_median']:.3f} median of rounds "
                  f"(target >= 0.9); {on['failed']} failed")
     return "\n".join(lines)
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", help="LOW:HIGH, default 64:256 (4:16 with --quick)")
     parser.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/generate"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=_positive_int, default=3, help="interleaved offline/online rounds (default 3)")
+    parser.add_argument("--rounds", type=_positive_int, default=4, help="interleaved offline/online rounds (default 4)")
     parser.add_argument("--quick", action="store_true", help="the demo model, 8 short requests: checks the script")
     parser.add_argument("--out", help="result JSON (default bench/results/serving_vs_offline[_quick].json)")
     args, engine_flags = parser.parse_known_args(argv)

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from ksana.server.priority import DEFAULT_LOOP_NICE, parse_loop_nice
+
 # YAML keys beyond the shared config flags, as ``--flag`` -> config leaf name.
 _EXTRA_CONFIG_FLAGS = {
     "max_token_len": int,
@@ -28,6 +30,9 @@ def add_serve_parser(subparsers, add_config_flags) -> None:
     serve.add_argument("--api-key", default=os.environ.get("KSANA_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $KSANA_API_KEY, else no key)")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"])
+    serve.add_argument("--loop-nice", type=parse_loop_nice, default=DEFAULT_LOOP_NICE, metavar="0-19",
+                       help="how much lower the event loop thread's priority is than the forward pass's threads "
+                            f"(Linux; default {DEFAULT_LOOP_NICE}, 0 leaves it)")
     for name, kind in _EXTRA_CONFIG_FLAGS.items():
         serve.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     serve.set_defaults(func=_cmd_serve)
@@ -45,7 +50,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, model_dir=args.model, device=args.device, **overrides)
     engine = InferenceEngine(config)
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                           api_key=args.api_key or None)
+                           api_key=args.api_key or None, loop_nice=args.loop_nice)
 
     def on_ready(ctx, url: str) -> None:
         print(f"Ksana serving {ctx.served_model_name} at {url}", flush=True)

@@ -26,10 +26,13 @@ def test_quick_run_reports_interleaved_rounds_over_the_same_tokens(tmp_path: Pat
         assert online["completed"] == 5 and online["failed"] == 0 and online["errors"] == []
         assert r["ratio"] == online["output_tok_s"] / offline["output_tok_s"]
         assert offline["server_cpu_s"] >= 0
+        assert online["client_cpu_us_per_token"] > 0 and online["loop_cpu_us_per_token"] >= 0
     for side in ("offline", "online"):
         pooled = report[side]
         assert pooled["runs"] == 2 and pooled["output_tokens"] == 2 * report["requested_output_tokens"]
         assert pooled["seconds"] == sum(r[side]["seconds"] for r in rounds)
+    for key in ("loop_cpu_us_per_token", "client_cpu_us_per_token"):  # token-weighted over the rounds
+        assert report["online"][key] == pytest.approx(sum(r["online"][key] for r in rounds) / 2)
     assert report["ratio"] == report["online"]["output_tok_s"] / report["offline"]["output_tok_s"]
     assert min(r["ratio"] for r in rounds) <= report["ratio_median"] <= max(r["ratio"] for r in rounds)
 

@@ -1,0 +1,65 @@
+"""The event loop's thread runs at a lower priority than the forward pass's threads (``ksana.server.priority``).
+
+Linux, as the project's machines: ``/proc`` gives each thread's nice value.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from events import BlockingLane
+from ksana.server.priority import DEFAULT_LOOP_NICE, lower_loop_priority
+
+
+def thread_nice(pid: int, thread_id: int) -> int:
+    """A thread's nice value from ``/proc`` (field 19 of its stat line)."""
+    stat = Path(f"/proc/{pid}/task/{thread_id}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+def test_the_loop_thread_is_niced_and_the_forward_lanes_thread_keeps_its_priority():
+    lane = BlockingLane("test-forward")
+    seen: dict[str, int] = {}
+
+    def loop_thread() -> None:  # a thread of its own: a nice value cannot be taken back without privileges
+        seen["before"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen["changed"] = trio.run(lower_loop_priority, lane, 7)
+        seen["loop"] = thread_nice(os.getpid(), threading.get_native_id())
+        seen["lane"] = thread_nice(os.getpid(), lane.thread.native_id)
+
+    runner = threading.Thread(target=loop_thread)
+    runner.start()
+    runner.join()
+    lane.close()
+    assert seen["changed"] is True
+    assert seen["loop"] == min(19, seen["before"] + 7)
+    assert seen["lane"] == seen["before"]  # the lane's thread started before the change, so it kept its priority
+
+
+def test_nice_zero_changes_nothing_and_starts_no_thread():
+    lane = BlockingLane("test-forward")
+    assert trio.run(lower_loop_priority, lane, 0) is False
+    assert lane.thread is None
+
+
+def test_ksana_serve_runs_its_loop_thread_at_the_default_nice(server):
+    server.client.post("/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}).raise_for_status()
+    pid = server.proc.pid
+    nices = {int(t.name): thread_nice(pid, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()}
+    assert nices[pid] == DEFAULT_LOOP_NICE  # trio runs in the process's main thread
+
+
+@pytest.mark.parametrize("value", ["20", "-1", "high"])
+def test_a_bad_loop_nice_is_a_cli_error_that_names_the_flag(value):
+    done = subprocess.run([sys.executable, "-m", "ksana.cli", "serve", "--model", "demo", "--loop-nice", value],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--loop-nice" in done.stderr and "takes 0-19" in done.stderr
+    assert "Traceback" not in done.stderr
