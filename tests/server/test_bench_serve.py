@@ -64,3 +64,34 @@ def test_arrivals_are_poisson_or_gamma_at_the_asked_rate(bench):
         assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.05)
         assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(coefficient_of_variation, rel=0.08)
     assert bench.arrival_times(5, float("inf"), 1.0, seed=0) == [0.0] * 5
+
+
+def test_a_rejected_request_is_a_failure_with_the_servers_status_and_message(server, bench):
+    import time
+
+    import trio
+
+    result = bench.RequestResult(prompt_len=1)
+    body = {"model": "no-such-model", "prompt": "hi", "max_tokens": 2, "stream": True}
+    trio.run(bench.send_one, bench.Target.parse(server.url), "/v1/completions", body, result, time.perf_counter(), 60)
+    assert not result.success
+    assert result.error.startswith("HTTP 404") and "no-such-model" in result.error
+
+
+def test_a_request_past_its_timeout_is_a_failure_that_says_so(server, bench):
+    import time
+
+    import trio
+
+    result = bench.RequestResult(prompt_len=1)
+    body = bench.request_body("/v1/completions", "demo", bench.BenchRequest([5, 6, 7], 3, 64), True)
+    trio.run(bench.send_one, bench.Target.parse(server.url), "/v1/completions", body, result, time.perf_counter(), 0)
+    assert not result.success and result.error == "timed out after 0 s"
+
+
+def test_the_target_takes_the_base_urls_host_port_and_path_and_refuses_other_schemes(bench):
+    target = bench.Target.parse("http://127.0.0.1:8123/prefix/", api_key="k")
+    assert (target.host, target.port, target.prefix) == ("127.0.0.1", 8123, "/prefix")
+    assert ("Host", "127.0.0.1:8123") in target.headers and ("Authorization", "Bearer k") in target.headers
+    with pytest.raises(SystemExit, match="--base-url must be http://"):
+        bench.Target.parse("https://example.com")
