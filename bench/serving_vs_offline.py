@@ -98,17 +98,6 @@ def connect_online(serve_bench, server, endpoint: str, workload) -> OnlineTarget
     return OnlineTarget(serve_bench, args, model_id)
 
 
-def run_online(target: OnlineTarget, workload) -> dict[str, Any]:
-    import trio
-
-    results, duration = trio.run(target.serve_bench.benchmark, target.args, workload, target.model_id)
-    summary = target.serve_bench.summarize(target.args, workload, results, duration, target.model_id)
-    keep = ("duration", "completed", "failed", "total_output_tokens", "output_throughput", "mean_ttft_ms",
-            "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_itl_ms", "errors")
-    return {key: summary[key] for key in keep} | {"seconds": duration, "output_tok_s": summary["output_throughput"],
-                                                   "output_tokens": summary["total_output_tokens"]}
-
-
 def process_cpu_s(pid: int) -> float | None:
     """User + system seconds of a process so far (Linux ``/proc``; None elsewhere)."""
     return _stat_cpu_s(Path(f"/proc/{pid}/stat"))
@@ -127,15 +116,23 @@ def _stat_cpu_s(stat: Path) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_online_measured(target: OnlineTarget, workload, server_pid: int) -> dict[str, Any]:
-    """``run_online`` plus the CPU that competes with the server's forward threads: the server's loop thread and
-    this process (the load generator), each in microseconds per output token (the ratio's cost, with less noise)."""
+def run_online(target: OnlineTarget, workload, server_pid: int) -> dict[str, Any]:
+    """One online run, with the CPU that competes with the server's forward threads: the server's loop thread's and
+    this process's (the load generator), each in microseconds per output token (the ratio's cost, with less noise)."""
+    import trio
+
     loop_before, client_before = loop_thread_cpu_s(server_pid), time.process_time()
-    run = run_online(target, workload)
+    results, duration = trio.run(target.serve_bench.benchmark, target.args, workload, target.model_id)
     client_s = time.process_time() - client_before
+    loop_after = loop_thread_cpu_s(server_pid)
+    summary = target.serve_bench.summarize(target.args, workload, results, duration, target.model_id)
+    keep = ("duration", "completed", "failed", "total_output_tokens", "output_throughput", "mean_ttft_ms",
+            "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_itl_ms", "errors")
+    run = {key: summary[key] for key in keep} | {"seconds": duration, "output_tok_s": summary["output_throughput"],
+                                                  "output_tokens": summary["total_output_tokens"]}
     run["client_cpu_us_per_token"] = client_s / run["output_tokens"] * 1e6
-    if loop_before is not None:
-        run["loop_cpu_us_per_token"] = (loop_thread_cpu_s(server_pid) - loop_before) / run["output_tokens"] * 1e6
+    if loop_before is not None and loop_after is not None:
+        run["loop_cpu_us_per_token"] = (loop_after - loop_before) / run["output_tokens"] * 1e6
     return run
 
 
@@ -171,7 +168,7 @@ def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_l
                     if server_cpu is not None:
                         runs[side]["server_cpu_s"] = process_cpu_s(server.proc.pid) - server_cpu
                 else:
-                    runs[side] = run_online_measured(target, workload, server.proc.pid)
+                    runs[side] = run_online(target, workload, server.proc.pid)
                 print(f"round {index + 1}/{rounds} {side:<8} {runs[side]['seconds']:7.2f} s "
                       f"{runs[side]['output_tok_s']:8.1f} out tok/s", flush=True)
             per_round.append({"order": list(runs), **runs,

@@ -8,6 +8,7 @@ waits instead; async scheduling leaves the loop a whole step to plan the next on
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
@@ -22,8 +23,6 @@ DEFAULT_LOOP_NICE = 10  # measured: see ``ServeOptions.loop_nice``
 
 def parse_loop_nice(text: str) -> int:
     """argparse's ``type`` for ``--loop-nice``: an int in 0-19, or a message that names the flag."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
