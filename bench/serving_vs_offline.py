@@ -139,9 +139,10 @@ def run_online(target: OnlineTarget, workload, server_pid: int) -> dict[str, Any
 # ---- the run ------------------------------------------------------------------------------------------------------
 def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
               endpoint: str = "/v1/completions", seed: int = 0, engine_flags: tuple[str, ...] = (),
-              rounds: int = 4) -> dict[str, Any]:
+              rounds: int = 4, stream_interval: int = 1) -> dict[str, Any]:
     """``rounds`` interleaved runs of one workload on each side; ``engine_flags`` are ``ksana serve`` flags of the
-    shared config (``--max-batch-size 32``), given to the server as flags and to ``LLM`` as the same overrides."""
+    shared config (``--max-batch-size 32``), given to the server as flags and to ``LLM`` as the same overrides;
+    ``stream_interval`` is the server's alone (tokens per streamed event)."""
     import torch
     from transformers import AutoConfig
 
@@ -157,7 +158,8 @@ def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_l
     print(f"building the offline engine and starting ksana serve ({model})", flush=True)
     llm = build_offline(model, workload, engine_args)
     per_round = []
-    with ServeProcess("--model", model, *engine_flags, startup_timeout_s=STARTUP_TIMEOUT_S) as server:
+    server_flags = ("--stream-interval", str(stream_interval))
+    with ServeProcess("--model", model, *engine_flags, *server_flags, startup_timeout_s=STARTUP_TIMEOUT_S) as server:
         target = connect_online(serve_bench, server, endpoint, workload)
         for index in range(rounds):
             runs: dict[str, dict[str, Any]] = {}
@@ -184,6 +186,7 @@ def run_bench(model: str, num_prompts: int, input_len: tuple[int, int], output_l
         "output_len": list(output_len),
         "seed": seed,
         "engine_flags": list(engine_flags),
+        "stream_interval": stream_interval,
         "input_tokens": sum(r.prompt_len for r in workload),
         "requested_output_tokens": sum(r.output_len for r in workload),
         "rounds": per_round,
@@ -237,7 +240,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"{report['model']}: {report['num_prompts']} requests, input {report['input_len']}, output "
         f"{report['output_len']} tokens ({report['requested_output_tokens']} in all), {report['endpoint']}, "
-        f"{len(report['rounds'])} rounds",
+        f"{len(report['rounds'])} rounds, stream interval {report.get('stream_interval', 1)}",
         f"{'round':<7}{'first':<9}{'offline tok/s':>14}{'online tok/s':>14}{'ratio':>8}{'online TTFT':>13}"
         f"{'TPOT':>9}{'loop us/tok':>13}{'client us/tok':>15}",
     ]
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/generate"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=_positive_int, default=4, help="interleaved offline/online rounds (default 4)")
+    parser.add_argument("--stream-interval", type=_positive_int, default=1,
+                        help="the server's --stream-interval: tokens per streamed event (default 1)")
     parser.add_argument("--quick", action="store_true", help="the demo model, 8 short requests: checks the script")
     parser.add_argument("--out", help="result JSON (default bench/results/serving_vs_offline[_quick].json)")
     args, engine_flags = parser.parse_known_args(argv)
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_bench = load_serve_bench()
     report = run_bench(args.model, args.num_prompts, serve_bench.parse_range(args.input_len),
                        serve_bench.parse_range(args.output_len), args.endpoint, args.seed, tuple(engine_flags),
-                       args.rounds)
+                       args.rounds, args.stream_interval)
     print(format_report(report))
     write_json(report, args.out or RESULTS / f"serving_vs_offline{'_quick' if args.quick else ''}.json")
     return 0 if report["online"]["failed"] == 0 else 1

@@ -21,6 +21,17 @@ _EXTRA_CONFIG_FLAGS = {
 }
 
 
+def parse_stream_interval(text: str) -> int:
+    """argparse's ``type`` for ``--stream-interval``: a positive int, or a message that names the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of tokens, at least 1, not {text!r}")
+    return value
+
+
 def add_serve_parser(subparsers, add_config_flags) -> None:
     serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible API and KsanaLLM's /generate")
     add_config_flags(serve)
@@ -33,6 +44,8 @@ def add_serve_parser(subparsers, add_config_flags) -> None:
     serve.add_argument("--loop-nice", type=parse_loop_nice, default=DEFAULT_LOOP_NICE, metavar="0-19",
                        help="how much lower the event loop thread's priority is than the forward pass's threads "
                             f"(Linux; default {DEFAULT_LOOP_NICE}, 0 leaves it)")
+    serve.add_argument("--stream-interval", type=parse_stream_interval, default=1, metavar="N",
+                       help="send a stream's tokens N at a time (fewer events, less CPU per token; default 1)")
     for name, kind in _EXTRA_CONFIG_FLAGS.items():
         serve.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     serve.set_defaults(func=_cmd_serve)
@@ -50,7 +63,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, model_dir=args.model, device=args.device, **overrides)
     engine = InferenceEngine(config)
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                           api_key=args.api_key or None, loop_nice=args.loop_nice)
+                           api_key=args.api_key or None, loop_nice=args.loop_nice,
+                           stream_interval=args.stream_interval)
 
     def on_ready(ctx, url: str) -> None:
         print(f"Ksana serving {ctx.served_model_name} at {url}", flush=True)

@@ -29,6 +29,7 @@ class ServerContext:
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
     api_key: str | None = None
+    stream_interval: int = 1  # tokens per streamed event (``ServeOptions.stream_interval``)
     created: int = attrs.field(factory=lambda: int(time.time()))
     rng: random.Random = attrs.field(factory=random.Random)
     _counter: Any = attrs.field(factory=itertools.count)

@@ -76,6 +76,7 @@ class Generation:
         self._group: RequestGroup | None = None
         self._pending: list[RequestDelta] = []
         self._num_beam_steps = 0
+        self._held: dict[int, ChoiceDelta] = {}  # by choice index: merged, not yet yielded
 
     async def __aenter__(self) -> Generation:
         return self
@@ -139,7 +140,9 @@ class Generation:
         """Each choice's new visible text and tokens; ends when every choice finished.
 
         Deltas that piled up while the handler was busy are merged per choice, so a response that falls behind
-        the step loop catches up with one write instead of one per step.
+        the step loop catches up with one write instead of one per step. With ``ctx.stream_interval`` N > 1 a
+        choice's tokens are held until it has N new ones (or finishes): one streamed event per N tokens, which
+        is what each event's cost through the HTTP stack is paid on.
         """
         if self.beam is not None:
             for choice in self.choices:
@@ -151,20 +154,29 @@ class Generation:
             if not batch:
                 batch.append(await self._group.receive())
             batch.extend(self._group.receive_ready())
-            merged: dict[int, ChoiceDelta] = {}
             for delta in batch:
                 out = await self._apply(delta)
                 if out is None:
                     continue
-                previous = merged.get(out.index)
-                if previous is None:
-                    merged[out.index] = out
+                held = self._held.get(out.index)
+                if held is None:
+                    self._held[out.index] = out
                 else:
-                    previous.text += out.text
-                    previous.tokens.extend(out.tokens)
-                    previous.finish_reason = out.finish_reason
-            for out in merged.values():
+                    held.text += out.text
+                    held.tokens.extend(out.tokens)
+                    held.finish_reason = out.finish_reason
+            for out in self._ready(self.finished):
                 yield out
+
+    def _ready(self, flush: bool) -> list[ChoiceDelta]:
+        """The held deltas due out: every one when ``flush`` or streaming token by token, else those with enough
+        tokens or a finish."""
+        interval = self.ctx.stream_interval
+        flush = flush or interval <= 1
+        due = [d for d in self._held.values() if flush or d.finish_reason is not None or len(d.tokens) >= interval]
+        for d in due:
+            del self._held[d.index]
+        return due
 
     async def run_to_end(self) -> list[Choice]:
         async for _ in self.deltas():

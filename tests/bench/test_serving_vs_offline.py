@@ -13,11 +13,11 @@ from tests.bench import load_bench
 def test_quick_run_reports_interleaved_rounds_over_the_same_tokens(tmp_path: Path):
     bench = load_bench("serving_vs_offline")
     out = tmp_path / "serving_vs_offline.json"
-    assert bench.main(["--quick", "--num-prompts", "5", "--rounds", "2", "--out", str(out),
+    assert bench.main(["--quick", "--num-prompts", "5", "--rounds", "2", "--out", str(out), "--stream-interval", "2",
                        "--max-batch-size", "4"]) == 0
     report = orjson.loads(out.read_bytes())
     assert report["model"] == "demo" and report["num_prompts"] == 5
-    assert report["engine_flags"] == ["--max-batch-size", "4"]
+    assert report["engine_flags"] == ["--max-batch-size", "4"] and report["stream_interval"] == 2
     rounds = report["rounds"]
     assert [r["order"] for r in rounds] == [["offline", "online"], ["online", "offline"]]
     for r in rounds:
