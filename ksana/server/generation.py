@@ -77,6 +77,7 @@ class Generation:
         self._pending: list[RequestDelta] = []
         self._num_beam_steps = 0
         self._held: dict[int, ChoiceDelta] = {}  # by choice index: merged, not yet yielded
+        self._streamed: set[int] = set()  # choices that have yielded tokens
 
     async def __aenter__(self) -> Generation:
         return self
@@ -141,8 +142,9 @@ class Generation:
 
         Deltas that piled up while the handler was busy are merged per choice, so a response that falls behind
         the step loop catches up with one write instead of one per step. With ``ctx.stream_interval`` N > 1 a
-        choice's tokens are held until it has N new ones (or finishes): one streamed event per N tokens, which
-        is what each event's cost through the HTTP stack is paid on.
+        choice's tokens after its first are held until it has N new ones (or finishes): one streamed event per N
+        tokens, which is what each event's cost through the HTTP stack is paid on, while the first token still
+        goes out at once (time to first token is the latency clients watch).
         """
         if self.beam is not None:
             for choice in self.choices:
@@ -169,13 +171,16 @@ class Generation:
                 yield out
 
     def _ready(self, flush: bool) -> list[ChoiceDelta]:
-        """The held deltas due out: every one when ``flush`` or streaming token by token, else those with enough
-        tokens or a finish."""
+        """The held deltas due out: every one when ``flush`` or streaming token by token, else a choice's first
+        tokens and those with enough tokens or a finish."""
         interval = self.ctx.stream_interval
         flush = flush or interval <= 1
-        due = [d for d in self._held.values() if flush or d.finish_reason is not None or len(d.tokens) >= interval]
+        due = [d for d in self._held.values() if flush or d.finish_reason is not None or len(d.tokens) >= interval
+               or (d.tokens and d.index not in self._streamed)]
         for d in due:
             del self._held[d.index]
+            if d.tokens:
+                self._streamed.add(d.index)
         return due
 
     async def run_to_end(self) -> list[Choice]:

@@ -1,4 +1,4 @@
-"""``ksana serve --stream-interval N``: streams send a choice's tokens N at a time and still add up to the answer."""
+"""``ksana serve --stream-interval N``: a choice's first token at once, then N at a time, adding up to the answer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from ksana.server.cli import parse_stream_interval
 from tests.server.conftest import ServerProcess
 
-INTERVAL = 3
+INTERVAL = 4
 PROMPT = "Once upon a time there was"
 
 
@@ -24,22 +24,23 @@ def client():
     process.close()
 
 
-def test_completion_chunks_hold_interval_tokens_and_add_up_to_the_answer(client):
-    whole = client.completions.create(model="demo", prompt=PROMPT, max_tokens=10, temperature=0)
-    chunks = list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0,
+def test_completion_chunks_hold_interval_tokens_after_the_first_and_add_up_to_the_answer(client):
+    whole = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
                                             stream=True))
     sizes = [len(c.choices[0].logprobs.tokens) for c in chunks]
-    assert sum(sizes) == 10
-    assert all(size >= INTERVAL for size in sizes[:-1]) and len(sizes) <= 10 // INTERVAL + 1
+    assert sum(sizes) == 12
+    assert sizes[0] < INTERVAL  # the first token is not held back
+    assert all(size >= INTERVAL for size in sizes[1:-1]) and len(sizes) <= 2 + 11 // INTERVAL
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
 
 
 def test_chat_choices_stream_in_intervals_each(client):
     messages = [{"role": "user", "content": "Tell me a story."}]
-    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0, n=2,
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=9, temperature=0, n=2,
                                            logprobs=True)
-    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0, n=2,
+    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=9, temperature=0, n=2,
                                             logprobs=True, stream=True)
     texts, sizes = {0: "", 1: ""}, {0: [], 1: []}
     for chunk in stream:
@@ -49,8 +50,8 @@ def test_chat_choices_stream_in_intervals_each(client):
                 sizes[choice.index].append(len(choice.logprobs.content))
     for index in (0, 1):
         assert texts[index] == whole.choices[index].message.content
-        assert sum(sizes[index]) == 8
-        assert all(size >= INTERVAL for size in sizes[index][:-1])
+        assert sum(sizes[index]) == 9
+        assert all(size >= INTERVAL for size in sizes[index][1:-1])
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "two"])
