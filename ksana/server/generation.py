@@ -141,10 +141,9 @@ class Generation:
         """Each choice's new visible text and tokens; ends when every choice finished.
 
         Deltas that piled up while the handler was busy are merged per choice, so a response that falls behind
-        the step loop catches up with one write instead of one per step. With ``ctx.stream_interval`` N > 1 a
-        choice's tokens after its first are held until it has N new ones (or finishes): one streamed event per N
-        tokens, which is what each event's cost through the HTTP stack is paid on, while the first token still
-        goes out at once (time to first token is the latency clients watch).
+        the step loop catches up with one write instead of one per step. With ``ctx.stream_interval`` N > 1,
+        after a choice's first token (sent at once: time to first token is what clients watch) its tokens wait
+        until it has N new ones or finishes, because every event costs a pass through the HTTP stack.
         """
         if self.beam is not None:
             for choice in self.choices:
@@ -171,12 +170,12 @@ class Generation:
                 yield out
 
     def _ready(self, flush: bool) -> list[ChoiceDelta]:
-        """The held deltas due out: every one when ``flush`` or streaming token by token, else a choice's first
-        tokens and those with enough tokens or a finish."""
+        """The held deltas due out: all of them when ``flush`` or streaming token by token; else a choice's
+        first tokens, and deltas with ``stream_interval`` tokens or a finish."""
         interval = self.ctx.stream_interval
         flush = flush or interval <= 1
         due = [d for d in self._held.values() if flush or d.finish_reason is not None or len(d.tokens) >= interval
-               or (d.tokens and d.index not in self._streamed)]
+               or (bool(d.tokens) and d.index not in self._streamed)]
         for d in due:
             del self._held[d.index]
             if d.tokens:
