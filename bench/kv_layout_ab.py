@@ -42,7 +42,7 @@ class Settings:
     rounds: int = 25
 
 
-def _capture_step(llm: LLM, settings: Settings) -> tuple:
+def capture_step(llm: LLM, settings: Settings) -> tuple:
     """The arguments of the engine's first fused decode step at the full batch."""
     model = llm.engine.model
     ops = model.ops
@@ -67,7 +67,7 @@ def run_ab(settings: Settings) -> dict[str, Any]:
     if llm.engine.model.ops.decode_layers is None:
         return {"settings": attrs.asdict(settings), "error": "no fused decode step on this CPU (it needs AVX2 or "
                 "AVX-512)"}
-    head_major, hidden, cos, sin, meta = _capture_step(llm, settings)
+    head_major, hidden, cos, sin, meta = capture_step(llm, settings)
     slot_major = attrs.evolve(head_major, layers=tuple(
         attrs.evolve(layer, k_cache=layer.k_cache.contiguous(), v_cache=layer.v_cache.contiguous())
         for layer in head_major.layers))
