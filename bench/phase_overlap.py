@@ -68,8 +68,8 @@ class StepPhases:
 
     def __init__(self, llm: LLM, settings: Settings) -> None:
         layers, hidden, cos, sin, meta = capture_step(llm, settings)
-        native = llm.engine.model.ops.decode_layers.__self__
-        self._fused_step = lambda: native.decode_layers(layers, hidden.clone(), cos, sin, meta)
+        self._native = native = llm.engine.model.ops.decode_layers.__self__
+        self._step = (layers, hidden, cos, sin, meta)
         dtype = hidden.dtype
         self._attention_fn = native._fns["paged_decode", dtype]  # the bench drives the raw kernels on purpose
         self._linear_fn = native._fns["packed_linear", dtype]
@@ -98,7 +98,8 @@ class StepPhases:
     def fused_step(self) -> None:
         """The engine's own call for the step: every phase of every layer on all threads (it also stores the
         step's K and V, into the same slots each time)."""
-        self._fused_step()
+        layers, hidden, cos, sin, meta = self._step
+        self._native.decode_layers(layers, hidden.clone(), cos, sin, meta)
 
     def attention(self, threads: int) -> None:
         q = self.query
