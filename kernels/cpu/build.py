@@ -143,6 +143,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.linear_available.argtypes, library.linear_available.restype = (), _int
     library.greedy_logprobs.argtypes = (_ptr, _i64, _i64, _ptr, _ptr, _int)  # float32 logits only
     library.greedy_logprobs.restype = None
+    if hasattr(library, "unpack_weight_f32"):  # AVX2 and AVX-512 builds of current sources only
+        for suffix in DTYPE_SUFFIX.values():
+            fn = getattr(library, f"unpack_weight_{suffix}")
+            fn.argtypes, fn.restype = (_ptr, _i64, _i64, _ptr, _int), None
     if hasattr(library, "prefill_attention_f32"):  # not in older sources that decode_ab.py may build
         library.prefill_attention_available.argtypes, library.prefill_attention_available.restype = (), _int
         library.prefill_attention_f32.argtypes = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,

@@ -123,6 +123,15 @@ static inline __m256 load8_bf16(const bf16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+static inline void store8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
+static inline void store8_bf16(bf16_t *p, __m256 x) { /* as f32_to_bf16, 8 lanes */
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
 static inline __m256 round8_f32(__m256 x) { return x; }
 static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits (finite inputs) */
     __m256i u = _mm256_castps_si256(x);
@@ -614,16 +623,24 @@ static inline __m256 silu8(__m256 g) {
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), t));
 }
 #define SILU_AND_MUL_AVX2(SUF)                                                                                  \
-    for (; j + 8 <= d; j += 8) {                                                                                \
-        __m256 prod = _mm256_mul_ps(round8_##SUF(silu8(load8_##SUF(g + j))), load8_##SUF(u + j));                \
-        float vals[8];                                                                                          \
-        _mm256_storeu_ps(vals, prod);                                                                            \
-        for (int l = 0; l < 8; l++) store_##SUF(o + j + l, vals[l]);                                            \
+    for (; j + 8 <= d; j += 8)                                                                                  \
+        store8_##SUF(o + j, _mm256_mul_ps(round8_##SUF(silu8(load8_##SUF(g + j))), load8_##SUF(u + j)));
+/* rotary_token's operations 8 lanes at a time (-b * s as (b * s) with the sign flipped: the same product). */
+#define ROTARY_AVX2(SUF)                                                                                        \
+    for (; d + 8 <= half; d += 8) {                                                                             \
+        __m256 a = load8_##SUF(xh + d), b = load8_##SUF(xh + d + half), sign = _mm256_set1_ps(-0.0f);           \
+        __m256 c1 = load8_##SUF(c + d), s1 = load8_##SUF(s + d);                                                \
+        __m256 c2 = load8_##SUF(c + d + half), s2 = load8_##SUF(s + d + half);                                  \
+        store8_##SUF(o + d, _mm256_add_ps(round8_##SUF(_mm256_mul_ps(a, c1)),                                   \
+                                          round8_##SUF(_mm256_xor_ps(_mm256_mul_ps(b, s1), sign))));            \
+        store8_##SUF(o + d + half, _mm256_add_ps(round8_##SUF(_mm256_mul_ps(b, c2)),                            \
+                                                 round8_##SUF(_mm256_mul_ps(a, s2))));                          \
     }
 #define DECODE_AVX2 1
 #define DECODE_TASK_AVX2(SUF) decode_task_avx2_##SUF
 #else
 #define SILU_AND_MUL_AVX2(SUF)
+#define ROTARY_AVX2(SUF)
 #define DECODE_AVX2 0
 #define DECODE_TASK_AVX2(SUF) decode_task_scalar_##SUF
 #endif
@@ -704,7 +721,9 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
         for (int64_t h = 0; h < nheads; h++) {                                                                   \
             const T *xh = x + h * dim;                                                                           \
             T *o = out + h * dim;                                                                                \
-            for (int64_t d = 0; d < half; d++) {                                                                 \
+            int64_t d = 0;                                                                                       \
+            ROTARY_AVX2(SUF)                                                                                     \
+            for (; d < half; d++) {                                                                              \
                 float a = load_##SUF(xh + d), b = load_##SUF(xh + d + half);                                     \
                 float c1 = load_##SUF(c + d), s1 = load_##SUF(s + d);                                            \
                 float c2 = load_##SUF(c + d + half), s2 = load_##SUF(s + d + half);                              \
@@ -1851,6 +1870,21 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
                     if (n < N) dst[k * PANEL + j] = w[n * K + k];                                                \
                     else memset(&dst[k * PANEL + j], 0, sizeof(T));                                              \
                 }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+    }                                                                                                            \
+                                                                                                                 \
+    /* The panels back as one row-major [K, panels * 16] matrix (out[k][16p + j] = packed[p][k][j]): the weight \
+     * transposed, as a BLAS matmul takes it (see ``NativeCPUOps.linear``). Rows split across the threads. */    \
+    void unpack_weight_##SUF(const T *packed, int64_t panels, int64_t K, T *out, int nthreads) {                 \
+        int64_t ld = panels * PANEL;                                                                             \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                       \
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {                                                                 \
+            int64_t k1 = k0 + 64 < K ? k0 + 64 : K;                                                              \
+            for (int64_t p = 0; p < panels; p++) {                                                               \
+                const T *src = packed + (p * K + k0) * PANEL;                                                    \
+                for (int64_t k = k0; k < k1; k++, src += PANEL)                                                   \
+                    memcpy(out + k * ld + p * PANEL, src, sizeof(T) * PANEL);                                    \
             }                                                                                                    \
         }                                                                                                        \
     }                                                                                                            \

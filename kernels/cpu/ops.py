@@ -7,6 +7,7 @@ Each wrapper checks what the C code assumes (a supported dtype, unit stride in t
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -22,6 +23,18 @@ from kernels.cpu.packed import PANEL, PackedWeight, packed_numel
 # Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
 # cost 0.26 ms more in the lm_head for 0.12 ms less sampling (one process, alternating step by step).
 FUSED_GREEDY_MIN_ROWS = 8
+# From this many rows a bfloat16 matmul over a packed weight goes to torch's oneDNN matmul where the CPU has AMX:
+# its tiles run bfloat16 at 2-2.8 TFLOP/s (two cores), the native kernel (which widens to float32) at 0.3-0.35.
+# The panels are first unpacked into a scratch [K, N] matrix, which costs about one read and write of the weight:
+# at 32 rows the two paths are even for smollm2's MLP and the AMX one 1.7x faster for its attention projections;
+# at 512 (a prefill chunk) it is 6-7x faster (bench/README.md, "bfloat16 on AMX").
+AMX_MIN_ROWS = 32
+
+
+def amx_bf16_available() -> bool:
+    """Whether this CPU (and OS) runs AMX bfloat16 tiles, which torch's oneDNN matmuls then use."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe() and torch.backends.mkldnn.is_available())
 
 
 @attrs.frozen
@@ -67,10 +80,16 @@ class DecodeLayers:
 class NativeCPUOps:
     """Bound kernels of one loaded library; methods mirror the torch reference functions."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, bf16_blas_min_rows: int | None = None) -> None:
+        """``bf16_blas_min_rows``: bfloat16 matmuls over packed weights with at least this many rows go to torch's
+        matmul (``cpu_ops`` sets ``AMX_MIN_ROWS`` on AMX CPUs); None: never."""
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
+        self._unpack = {dtype: getattr(library, f"unpack_weight_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
+                        if hasattr(library, f"unpack_weight_{suffix}")}
+        self.bf16_blas_min_rows = bf16_blas_min_rows if torch.bfloat16 in self._unpack else None
+        self._scratch = threading.local()  # each thread's unpacked weight (the worker's, perf mode's)
         self._greedy_logprobs = library.greedy_logprobs
         available = hasattr(library, "prefill_attention_f32") and library.prefill_attention_available()
         self._prefill_attention = library.prefill_attention_f32 if available else None
@@ -171,6 +190,9 @@ class NativeCPUOps:
         if not (rows.dtype == weight.dtype and rows.stride(-1) == 1 and rows.shape[-1] == weight.in_features
                 and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
             return F.linear(x, weight.dense(), bias)
+        if self.bf16_blas_min_rows is not None and rows.dtype == torch.bfloat16 and (
+                rows.shape[0] >= self.bf16_blas_min_rows):
+            return self._blas_linear(rows, weight, bias).view(*x.shape[:-1], weight.out_features)
         out = torch.empty((rows.shape[0], weight.out_features), dtype=x.dtype)
         if rows.shape[0] > 0:
             self._fns["packed_linear", x.dtype](rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
@@ -178,6 +200,20 @@ class NativeCPUOps:
                                                 rows.shape[0], weight.out_features, weight.in_features,
                                                 torch.get_num_threads())
         return out.view(*x.shape[:-1], weight.out_features)
+
+    def _blas_linear(self, rows: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``rows @ weight.T (+ bias)`` through torch's matmul, from the panels unpacked into this thread's scratch
+        matrix (kept between calls: a fresh one would fault in its pages every time)."""
+        panels, in_features = weight.packed.shape[0], weight.in_features
+        size = panels * PANEL * in_features
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None or scratch.dtype != rows.dtype or scratch.numel() < size:
+            scratch = self._scratch.buffer = torch.empty(size, dtype=rows.dtype)
+        unpacked = scratch[:size].view(in_features, panels * PANEL)
+        self._unpack[rows.dtype](weight.packed.data_ptr(), panels, in_features, unpacked.data_ptr(),
+                                 torch.get_num_threads())
+        transposed = unpacked[:, : weight.out_features]
+        return torch.mm(rows, transposed) if bias is None else torch.addmm(bias, rows, transposed)
 
     def lm_head_greedy(self, hidden: torch.Tensor, weight: torch.Tensor | PackedWeight, vocab_size: int,
                        min_rows: int = FUSED_GREEDY_MIN_ROWS) -> tuple[list[int], list[float]] | None:

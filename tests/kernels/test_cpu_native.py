@@ -16,7 +16,7 @@ from kernels import attention, norm, rotary
 from kernels.backends import cpu_ops
 from kernels.cpu import load_library
 from kernels.cpu.build import LEVELS, cpu_level
-from kernels.cpu.ops import NativeCPUOps, _cache_layout
+from kernels.cpu.ops import AMX_MIN_ROWS, NativeCPUOps, _cache_layout, amx_bf16_available
 from kernels.cpu.packed import PackedWeight, dense_weight
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
@@ -439,6 +439,51 @@ def test_packed_linear_edges(native: NativeCPUOps) -> None:
     x16[1, 5] = float("nan")
     out = native.linear(x16, native.pack_weight(weight.bfloat16()))
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_weight_gives_the_weight_transposed(native: NativeCPUOps, dtype: torch.dtype) -> None:
+    """Whole 64-row blocks and a partial one, a last panel with padding columns (zero)."""
+    if not native.has_linear:  # nothing is packed on this CPU, so nothing unpacks
+        return
+    weight = torch.randn(61, 150).to(dtype)
+    packed = native.pack_weight(weight)
+    unpacked = torch.full((150, 64), float("nan"), dtype=dtype)
+    native._unpack[dtype](packed.packed.data_ptr(), 4, 150, unpacked.data_ptr(), 2)
+    assert torch.equal(unpacked[:, :61], weight.T) and not unpacked[:, 61:].any()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_projections_of_many_rows_go_to_torch_matmul(with_bias: bool) -> None:
+    """From ``bf16_blas_min_rows`` rows (strided ones, and 3-d input) the matmul runs in torch from the unpacked
+    panels, to bfloat16 rounding of the float32 result as the native kernel; fewer rows stay native. float32
+    never leaves the native kernel."""
+    blas = NativeCPUOps(load_library(), bf16_blas_min_rows=4)
+    if not blas.has_linear:
+        assert blas.bf16_blas_min_rows is None
+        return
+    torch.manual_seed(4)
+    weight = (torch.randn(61, 48) / 48**0.5).bfloat16()
+    bias = torch.randn(61).bfloat16() if with_bias else None
+    packed = blas.pack_weight(weight)
+    expected_of = lambda x: F.linear(x.float(), weight.float(), None if bias is None else bias.float())  # noqa: E731
+    x = torch.randn(3, 50).bfloat16()[:, 1:49]
+    torch.testing.assert_close(blas.linear(x, packed, bias).float(), expected_of(x), rtol=2**-8, atol=1e-5)
+    assert getattr(blas._scratch, "buffer", None) is None  # 3 rows: the native kernel
+    for x in (torch.randn(40, 50).bfloat16()[:, 1:49], torch.randn(2, 5, 48).bfloat16()):
+        out = blas.linear(x, packed, bias)
+        assert out.shape == (*x.shape[:-1], 61) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        torch.testing.assert_close(out.float(), expected_of(x), rtol=2**-8, atol=1e-5)
+    assert blas._scratch.buffer.numel() == 64 * 48  # the unpacked panels, kept for the next call
+    blas.linear(torch.randn(40, 48), blas.pack_weight(weight.float()))
+    assert blas._scratch.buffer.dtype == torch.bfloat16
+
+
+def test_cpu_dispatch_sends_many_bfloat16_rows_to_onednn_exactly_on_amx() -> None:
+    projection = cpu_ops().qkv_proj
+    if projection is F.linear:  # no packed weights on this CPU
+        return
+    assert projection.__self__.bf16_blas_min_rows == (AMX_MIN_ROWS if amx_bf16_available() else None)
 
 
 def test_plain_weights_and_other_dtypes_stay_with_blas(native: NativeCPUOps) -> None:
