@@ -8,8 +8,9 @@ CPU's bandwidth (on an AVX2 EPYC, 7 GB/s at one row and 3 at 16, against 20-33 f
 AVX-512 CPUs the loader packs every projection's weights into 16-column panels (``kernels/cpu/packed.py``) that one
 native matmul streams once at decode sizes and tiles for prefill, and a decode step's layers run in one native
 call, one OpenMP region (no Python and no fork between the ops). Float32 prefill attention is native there too:
-SDPA's CPU kernel runs a prompt's small per-chunk matrix products through MKL far below the FMA peak. Other CPUs
-keep torch's layout, BLAS and SDPA.
+SDPA's CPU kernel runs a prompt's small per-chunk matrix products through MKL far below the FMA peak. On CPUs
+with AMX, bfloat16 projections of 32 rows or more (prefill) leave the native matmul for oneDNN's AMX tiles, from
+the panels unpacked (``NativeCPUOps.linear``). Other CPUs keep torch's layout, BLAS and SDPA.
 """
 
 from __future__ import annotations

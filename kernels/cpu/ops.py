@@ -203,7 +203,8 @@ class NativeCPUOps:
 
     def _blas_linear(self, rows: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """``rows @ weight.T (+ bias)`` through torch's matmul, from the panels unpacked into this thread's scratch
-        matrix (kept between calls: a fresh one would fault in its pages every time)."""
+        matrix (kept between calls: a fresh one would fault in its pages every time). The scratch grows to the
+        largest weight routed here, the lm_head's once a step brings it 32 rows (56 MB for smollm2)."""
         panels, in_features = weight.packed.shape[0], weight.in_features
         size = panels * PANEL * in_features
         scratch = getattr(self._scratch, "buffer", None)
