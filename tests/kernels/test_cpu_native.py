@@ -386,6 +386,23 @@ def test_packed_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, o
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 576), (61, 37), (130, 100)])
+def test_packed_linear_gives_every_row_the_bits_it_gets_alone(native: NativeCPUOps, dtype: torch.dtype,
+                                                                out_features: int, in_features: int) -> None:
+    """Every tile sums a row's products in the same order (one FMA per k from zero, then the bias), so a batched
+    decode step gives each sequence what it would get alone: the 9-16-row split tile's two halves and k blocks
+    (in_features 37 and 100 end in partial blocks) against the one-row tile, and the gemm tiles above 16 rows."""
+    torch.manual_seed(out_features + in_features)
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    packed = native.pack_weight(weight)
+    x = torch.randn(24, in_features).to(dtype)
+    alone = torch.cat([native.linear(x[i : i + 1], packed, bias) for i in range(24)])
+    for rows in [*range(2, 18), 24]:
+        assert torch.equal(native.linear(x[:rows], packed, bias), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("vocab", "out_features", "in_features"), [(1003, 1003, 64), (1000, 1040, 37), (9, 9, 16)])
 def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(native: NativeCPUOps, dtype: torch.dtype,
                                                                        vocab: int, out_features: int,
