@@ -1351,10 +1351,11 @@ static inline void transpose16x16(__m512 r[16]) {
  * each half's 16 accumulators come from (and go back to) the stack between blocks, while the block's 2 KiB of
  * weights stay in L1 for the second half. Per k that is 2 weight loads and 8 broadcasts for 16 FMAs, where the
  * one-panel tile needs 17 loads for 16: over a 512 MiB packed weight at 16 rows on two threads of the AMX Xeon it
- * streamed 24.5 GB/s against 21.9 (the one-row stream: 29.4), and 1.2x the one-panel tile's rate from L2.
- * Each half prefetches one panel's stream, so the requests go out evenly over the block (an 11% faster stream
- * than both from the first half; blocks of 12-24 k measured alike, 8 and 32 slower). Every output is the same
- * sum in the same order (one FMA per k, then the bias) as the one-panel tile's, so both give the same bits. */
+ * streamed 24.5 GB/s against 21.9 (the one-row stream: 29.4); a decode step at batch 16 took 0.93-0.95 of the
+ * one-panel tile's (bench/decode_ab.py). Each half prefetches one panel's stream, so the requests go out evenly
+ * over the block (4% faster than both from the first half; blocks of 12-24 k measured alike, 8 and 32 slower).
+ * Every output is the same sum in the same order (one FMA per k, then the bias) as the one-panel tile's, so both
+ * give the same bits. */
 #define SPLIT_KC 16
 #define DEFINE_PACKED_SPLIT_TILE(SUF, T, MR)                                                                     \
     static void packed_split_tile_##SUF##_##MR(const float *a, const T *w, int64_t panel_len, int64_t K,        \
