@@ -1358,7 +1358,7 @@ static inline void transpose16x16(__m512 r[16]) {
  * give the same bits. */
 #define SPLIT_KC 16
 #define DEFINE_PACKED_SPLIT_TILE(SUF, T, MR)                                                                     \
-    static void packed_split_tile_##SUF##_##MR(const float *a, const T *w, int64_t panel_len, int64_t K,        \
+    static void packed_split_tile_##SUF##_##MR(const float *a, const T *w, int64_t panel_len, int64_t K,         \
                                                const T *bias, T *out, int64_t ldo, int rows,                     \
                                                __mmask16 last_mask, int prefetch) {                              \
         (void)prefetch;                                                                                          \
@@ -1412,10 +1412,10 @@ static inline void transpose16x16(__m512 r[16]) {
     DEFINE_PACKED_TILE(SUF, T, 4, 2) DEFINE_PACKED_TILE(SUF, T, 5, 2) DEFINE_PACKED_TILE(SUF, T, 6, 2)           \
     DEFINE_PACKED_TILE(SUF, T, 7, 2)                                                                             \
     DEFINE_PACKED_TILE(SUF, T, 8, 2) DEFINE_PACKED_TILE(SUF, T, 8, 3)                                            \
-    DEFINE_PACKED_SPLIT_TILE(SUF, T, 9) DEFINE_PACKED_SPLIT_TILE(SUF, T, 10) DEFINE_PACKED_SPLIT_TILE(SUF, T, 11) \
-    DEFINE_PACKED_SPLIT_TILE(SUF, T, 12) DEFINE_PACKED_SPLIT_TILE(SUF, T, 13)                                    \
-    DEFINE_PACKED_SPLIT_TILE(SUF, T, 14) DEFINE_PACKED_SPLIT_TILE(SUF, T, 15)                                    \
-    DEFINE_PACKED_SPLIT_TILE(SUF, T, 16)                                                                         \
+    DEFINE_PACKED_SPLIT_TILE(SUF, T, 9) DEFINE_PACKED_SPLIT_TILE(SUF, T, 10)                                     \
+    DEFINE_PACKED_SPLIT_TILE(SUF, T, 11) DEFINE_PACKED_SPLIT_TILE(SUF, T, 12)                                    \
+    DEFINE_PACKED_SPLIT_TILE(SUF, T, 13) DEFINE_PACKED_SPLIT_TILE(SUF, T, 14)                                    \
+    DEFINE_PACKED_SPLIT_TILE(SUF, T, 15) DEFINE_PACKED_SPLIT_TILE(SUF, T, 16)                                    \
     typedef void (*packed_tile_##SUF##_fn)(const float *, const T *, int64_t, int64_t, const T *, T *,           \
                                            int64_t, int, __mmask16, int);                                        \
     /* [rows][0]: one panel; [rows][1]: the wide tile (panels_of_decode_tile) */                                 \
@@ -1425,10 +1425,14 @@ static inline void transpose16x16(__m512 r[16]) {
         {packed_tile_##SUF##_3_1, packed_tile_##SUF##_3_4}, {packed_tile_##SUF##_4_1, packed_tile_##SUF##_4_2},  \
         {packed_tile_##SUF##_5_1, packed_tile_##SUF##_5_2}, {packed_tile_##SUF##_6_1, packed_tile_##SUF##_6_2},  \
         {packed_tile_##SUF##_7_1, packed_tile_##SUF##_7_2}, {packed_tile_##SUF##_8_1, packed_tile_##SUF##_8_2},  \
-        {packed_tile_##SUF##_9_1, packed_split_tile_##SUF##_9}, {packed_tile_##SUF##_10_1, packed_split_tile_##SUF##_10}, \
-        {packed_tile_##SUF##_11_1, packed_split_tile_##SUF##_11}, {packed_tile_##SUF##_12_1, packed_split_tile_##SUF##_12}, \
-        {packed_tile_##SUF##_13_1, packed_split_tile_##SUF##_13}, {packed_tile_##SUF##_14_1, packed_split_tile_##SUF##_14}, \
-        {packed_tile_##SUF##_15_1, packed_split_tile_##SUF##_15}, {packed_tile_##SUF##_16_1, packed_split_tile_##SUF##_16}, \
+        {packed_tile_##SUF##_9_1, packed_split_tile_##SUF##_9},                                                  \
+        {packed_tile_##SUF##_10_1, packed_split_tile_##SUF##_10},                                                \
+        {packed_tile_##SUF##_11_1, packed_split_tile_##SUF##_11},                                                \
+        {packed_tile_##SUF##_12_1, packed_split_tile_##SUF##_12},                                                \
+        {packed_tile_##SUF##_13_1, packed_split_tile_##SUF##_13},                                                \
+        {packed_tile_##SUF##_14_1, packed_split_tile_##SUF##_14},                                                \
+        {packed_tile_##SUF##_15_1, packed_split_tile_##SUF##_15},                                                \
+        {packed_tile_##SUF##_16_1, packed_split_tile_##SUF##_16},                                                \
     };                                                                                                           \
     static const packed_tile_##SUF##_fn packed_gemm_tiles_##SUF[GEMM_NP + 1] = {                                 \
         NULL, packed_tile_##SUF##_8_1, packed_tile_##SUF##_8_2, packed_tile_##SUF##_8_3};

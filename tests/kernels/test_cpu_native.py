@@ -396,6 +396,9 @@ def test_packed_linear_gives_every_row_the_bits_it_gets_alone(native: NativeCPUO
     weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
     bias = torch.randn(out_features).to(dtype)
     packed = native.pack_weight(weight)
+    if not native.has_linear:  # nothing packs on this CPU and BLAS runs, whose blocking follows the row count
+        assert not isinstance(packed, PackedWeight)
+        return
     x = torch.randn(24, in_features).to(dtype)
     alone = torch.cat([native.linear(x[i : i + 1], packed, bias) for i in range(24)])
     for rows in [*range(2, 18), 24]:
