@@ -1310,6 +1310,17 @@ static inline void transpose16x16(__m512 r[16]) {
         r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88), r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
 }
 
+/* The tiles' one epilogue: panel `p` of `rows` rows, row m's accumulator at acc[m * stride], plus the bias, stored
+ * `ldo` apart (`mask`: the panel's columns). */
+#define DEFINE_PANEL_STORE(SUF, T)                                                                               \
+    static inline void store_panel_##SUF(T *out, int64_t ldo, const __m512 *acc, int64_t stride, int64_t rows,   \
+                                         const T *bias, __mmask16 mask) {                                        \
+        __m512 bv = bias ? load16m_##SUF(bias, mask) : _mm512_setzero_ps();                                      \
+        for (int64_t m = 0; m < rows; m++) st16m_##SUF(out + m * ldo, _mm512_add_ps(acc[m * stride], bv), mask); \
+    }
+DEFINE_PANEL_STORE(f32, float)
+DEFINE_PANEL_STORE(bf16, bf16_t)
+
 /* MR input rows (float32 as pack_row lays them out: a[k * MR + m] up to 8 rows, else a[m / 8][k][m % 8], 8 being
  * ROW_TILE) x NP panels (`panel_len` = K * 16 apart); stores `rows` rows and, in the last panel, `last_mask`'s
  * columns. `prefetch`: fetch each panel's stream ahead, PACKED_PREFETCH_L1 elements into L1 and
@@ -1339,12 +1350,9 @@ static inline void transpose16x16(__m512 r[16]) {
                     acc[m][p] = _mm512_fmadd_ps(x, b[p], acc[m][p]);                                             \
             }                                                                                                    \
         }                                                                                                        \
-        for (int p = 0; p < NP; p++) {                                                                           \
-            __mmask16 mask = p == NP - 1 ? last_mask : (__mmask16)0xffff;                                        \
-            __m512 bv = bias ? load16m_##SUF(bias + p * PANEL, mask) : _mm512_setzero_ps();                         \
-            for (int m = 0; m < rows; m++)                                                                       \
-                st16m_##SUF(out + m * ldo + p * PANEL, _mm512_add_ps(acc[m][p], bv), mask);                      \
-        }                                                                                                        \
+        for (int p = 0; p < NP; p++)                                                                             \
+            store_panel_##SUF(out + p * PANEL, ldo, &acc[0][p], NP, rows, bias ? bias + p * PANEL : NULL,        \
+                              p == NP - 1 ? last_mask : (__mmask16)0xffff);                                      \
     }
 
 /* 9-16 input rows (MR) x 2 panels in two halves of rows, 8 and MR - 8, one SPLIT_KC-long block of k at a time:
@@ -1390,13 +1398,9 @@ static inline void transpose16x16(__m512 r[16]) {
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
-        __m512 bv0 = bias ? load16_##SUF(bias) : _mm512_setzero_ps();                                            \
-        __m512 bv1 = bias ? load16m_##SUF(bias + PANEL, last_mask) : _mm512_setzero_ps();                        \
-        for (int m = 0; m < rows; m++) {                                                                         \
-            st16m_##SUF(out + m * ldo, _mm512_add_ps(saved[m / ROW_TILE][m % ROW_TILE][0], bv0), 0xffff);        \
-            st16m_##SUF(out + m * ldo + PANEL, _mm512_add_ps(saved[m / ROW_TILE][m % ROW_TILE][1], bv1),         \
-                        last_mask);                                                                              \
-        }                                                                                                        \
+        for (int p = 0; p < 2; p++)                                                                              \
+            store_panel_##SUF(out + p * PANEL, ldo, &saved[0][0][p], 2, rows, bias ? bias + p * PANEL : NULL,    \
+                              p ? last_mask : (__mmask16)0xffff);                                                \
     }
 
 /* 17-64 input rows (SWEEP_TILES row tiles of 8 at most) x GEMM_NP panels: every row tile over one block of
@@ -1443,13 +1447,9 @@ static inline void transpose16x16(__m512 r[16]) {
                     _Pragma("GCC unroll 3") for (int p = 0; p < GEMM_NP; p++) saved[t][m][p] = acc[m][p];        \
             }                                                                                                    \
         }                                                                                                        \
-        for (int p = 0; p < GEMM_NP; p++) {                                                                      \
-            __mmask16 mask = p == GEMM_NP - 1 ? last_mask : (__mmask16)0xffff;                                   \
-            __m512 bv = bias ? load16m_##SUF(bias + p * PANEL, mask) : _mm512_setzero_ps();                      \
-            for (int64_t m = 0; m < M; m++)                                                                      \
-                st16m_##SUF(out + m * ldo + p * PANEL,                                                           \
-                            _mm512_add_ps(saved[m / GEMM_MR][m % GEMM_MR][p], bv), mask);                        \
-        }                                                                                                        \
+        for (int p = 0; p < GEMM_NP; p++)                                                                        \
+            store_panel_##SUF(out + p * PANEL, ldo, &saved[0][0][p], GEMM_NP, M, bias ? bias + p * PANEL : NULL, \
+                              p == GEMM_NP - 1 ? last_mask : (__mmask16)0xffff);                                 \
     }
 
 /* Decode tiles: every row count up to 16 over the panels panels_of_decode_tile gives it (the split tile above 8
