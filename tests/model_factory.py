@@ -73,11 +73,14 @@ def make_hf_model(family: str, seed: int = 0, **config_overrides: Any):
     config = tiny_config(family, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Norm weights initialise to ones; perturb them so a swapped or skipped norm shows in the logits.
+    # Norm weights initialise to ones and biases to zeros; perturb them so a swapped or skipped norm or bias shows
+    # in the logits.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.02)
     model.generation_config.eos_token_id = EOS_TOKEN_ID
     return model.eval()
 

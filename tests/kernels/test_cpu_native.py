@@ -598,9 +598,9 @@ def test_fused_decode_layers_give_the_same_bits_on_either_cache_layout(native: N
 # Batch shapes that take the fused step's other paths (with 2 threads; 16 query heads of 64 make 300 positions
 # enough work to split): one sequence's KV heads split along its positions across the threads; three sequences,
 # a task per KV head, split; two short ones, a task per KV head, whole; 12 rows, two row tiles with a partial
-# second; 20 rows, past the 16-row decode tile.
+# second; 16, the largest decode tile; 20 rows, past it (gate_up and SwiGLU as two passes there).
 BATCH_SHAPES = {"one-long": (300,), "three-long": (290, 7, 300), "two-short": (5, 9), "12-rows": tuple(range(1, 13)),
-                "20-rows": tuple(range(2, 42, 2))}
+                "16-rows": tuple(range(1, 17)), "20-rows": tuple(range(2, 42, 2))}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -616,9 +616,18 @@ def test_fused_decode_layers_equal_the_layer_loop_at_every_batch_shape(native: N
 def test_fused_decode_layers_equal_the_layer_loop_at_widths_off_the_vector_lanes(native: NativeCPUOps, tmp_path,
                                                                                 dtype: torch.dtype, rows: int) -> None:
     """Hidden 108 and intermediate 92: the tails of the row-tile packing (8 columns a transpose) and of the 16-lane
-    SiLU, at one whole row tile, a whole and a partial one, and two whole ones."""
+    SiLU (its own pass: gate_up and SwiGLU run as one only in whole panels), at one whole row tile, a whole and a
+    partial one, and two whole ones."""
     model_dir = make_checkpoint(tmp_path, "llama", hidden_size=108, intermediate_size=92)
     _assert_fused_equals_loop(model_dir, dtype, native, lengths=tuple(range(3, 3 + rows)), num_blocks=160)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_decode_layers_equal_the_layer_loop_with_an_mlp_bias(native: NativeCPUOps, tmp_path,
+                                                                  dtype: torch.dtype) -> None:
+    """A gate_up bias keeps gate_up and SwiGLU two passes in the fused step (the one-pass form adds no bias)."""
+    model_dir = make_checkpoint(tmp_path, "llama", mlp_bias=True)
+    _assert_fused_equals_loop(model_dir, dtype, native, lengths=tuple(range(3, 15)), num_blocks=160)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa"])
