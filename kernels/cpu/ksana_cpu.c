@@ -1225,6 +1225,13 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
 #define PACKED_PREFETCH_L2 2048        /* ...and into L2 (8 KiB) */
 #define LINEAR_PARALLEL_MIN (1 << 18)  /* M * N * K below this stays on the calling thread */
 
+/* Whether decode_layers runs an MLP's gate_up projection and SwiGLU as one pass (packed_swiglu_groups): up to
+ * DECODE_ROWS rows (larger inputs take the wider groups of the gemm tiles), gate and up in whole panels, and no
+ * bias (the pass adds none). */
+static inline int swiglu_fusable(int64_t M, int64_t inter, const void *gate_up_bias) {
+    return M <= DECODE_ROWS && inter % PANEL == 0 && !gate_up_bias;
+}
+
 #if defined(KSANA_AVX512)
 static inline __m512 w16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 w16_bf16(const bf16_t *p) {
@@ -1503,12 +1510,6 @@ DEFINE_PANEL_STORE(bf16, bf16_t)
  * broadcasts for 16 FMAs: a batch-8 step 0.978 of one panel's, decode_ab.py on the AMX Xeon); 9-16: the split
  * tile's two. */
 static inline int panels_of_decode_tile(int64_t rows) { return rows >= 4 ? 2 : 4; }
-/* Whether decode_layers runs an MLP's gate_up projection and SwiGLU as one pass (packed_swiglu_groups): up to
- * DECODE_ROWS rows (larger inputs take the sweep's and the gemm tiles' three-panel groups), gate and up in whole
- * panels, and no bias (the pass adds none). */
-static inline int swiglu_fusable(int64_t M, int64_t inter, const void *gate_up_bias) {
-    return M <= DECODE_ROWS && inter % PANEL == 0 && !gate_up_bias;
-}
 /* Panels per group of packed_groups: the decode tile's up to DECODE_ROWS rows, the gemm tiles' above. */
 static inline int panels_per_group(int64_t rows) {
     return rows <= DECODE_ROWS ? panels_of_decode_tile(rows) : GEMM_NP;
@@ -1662,11 +1663,11 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
     }                                                                                                            \
     /* gate_up and SwiGLU in one pass, for decode_layers (see swiglu_fusable): a group is gate panel g and up    \
      * panel g + inter / 16, which the two-panel tile takes as two panels inter / 16 panels apart, into a block  \
-     * on the stack; then each row's silu(gate) * up, computed and rounded as silu_and_mul_row16 does it, goes   \
-     * straight into down's packed input `a_out` (pack_row's layout). The same values as the matmul, the SiLU    \
-     * pass and the packing, without the [M, 2 * inter] output, the SiLU phase or its barrier: a batch-16 decode \
-     * step in 0.952 of the time at context 128, 0.963 at 512, 0.958 in bfloat16, 0.956 at batch 8, 0.98-0.99    \
-     * at 1-4 rows (bench/decode_ab.py on the AMX Xeon, same bits). */                                           \
+     * on the stack; then silu_and_mul_row16 over each of the block's rows, and the result straight into down's  \
+     * packed input `a_out` (pack_row's layout). The same values as the matmul, the SiLU pass and the packing,   \
+     * without the [M, 2 * inter] output, the SiLU phase or its barrier: a batch-16 decode step in 0.952 of the  \
+     * time at context 128, 0.963 at 512, 0.958 in bfloat16, 0.956 at batch 8, 0.98-0.99 at 1-4 rows             \
+     * (bench/decode_ab.py on the AMX Xeon, same bits). */                                                       \
     static void packed_swiglu_groups_##SUF(const float *a, const T *w, int64_t M, int64_t inter, int64_t K,      \
                                            int64_t *next_group, int64_t nthreads, float *a_out) {                \
         int64_t half = inter / PANEL, panel_len = K * PANEL, step = M <= ROW_TILE ? M : ROW_TILE;                \
@@ -1676,9 +1677,7 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
                 packed_pair_tiles_##SUF[M](a, w + g * panel_len, half * panel_len, K, NULL, block, 2 * PANEL,    \
                                            (int)M, (__mmask16)0xffff, 1);                                        \
                 for (int64_t m = 0; m < M; m++) {                                                                \
-                    const T *gate = block + m * 2 * PANEL;                                                       \
-                    __m512 s = round16_##SUF(silu16(load16_##SUF(gate)));                                        \
-                    st16m_##SUF(act, _mm512_mul_ps(s, load16_##SUF(gate + PANEL)), (__mmask16)0xffff);           \
+                    silu_and_mul_row16_##SUF(block + m * 2 * PANEL, act, PANEL);                                 \
                     float *dst = a_out + m / step * step * inter + g * PANEL * step + m % step;                  \
                     for (int j = 0; j < PANEL; j++) dst[j * step] = load_##SUF(act + j);                         \
                 }                                                                                                \
@@ -1829,12 +1828,6 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
 /* The rows of one tile of the packed input (`rows`, up to ROW_TILE) in chunks of at most AVX2_MR, as even as
  * they go: chunk c is rows [rows * c / n, rows * (c + 1) / n) of n. */
 static inline int64_t avx2_chunks(int64_t rows) { return (rows + AVX2_MR - 1) / AVX2_MR; }
-/* The AVX2 build runs gate_up, then SwiGLU (its row chunks' prefetch follows a group's panels in order; a fused
- * pass as in the AVX-512 build is not written for it). */
-static inline int swiglu_fusable(int64_t M, int64_t inter, const void *gate_up_bias) {
-    (void)M, (void)inter, (void)gate_up_bias;
-    return 0;
-}
 /* Panels per group: as many as keep the largest chunk at 12 accumulators at most. */
 static inline int avx2_panels_per_group(int64_t M) {
     int64_t rows = M < ROW_TILE ? M : ROW_TILE, chunks = avx2_chunks(rows);
@@ -1852,18 +1845,19 @@ typedef struct {
 } avx2_next_block;
 static inline avx2_next_block avx2_next(int64_t g, int64_t g1, int64_t *next_group, int64_t groups, int np,
                                         int64_t panels, int64_t panel_len, int64_t k1, int64_t K,
-                                        int64_t kblock, int64_t chunks) {
-    avx2_next_block next = {.panel_len = panel_len};
-    int64_t group = g;
+                                        int64_t kblock, int64_t chunks, int64_t pair_half) {
+    /* pairs (pair_half > 0, see packed_pass): group g is panels g and g + pair_half */
+    avx2_next_block next = {.panel_len = pair_half ? pair_half * panel_len : panel_len};
+    int64_t group = g, group_len = pair_half ? panel_len : np * panel_len;
     if (k1 < K) {
-        next.at = g * np * panel_len + k1 * PANEL, next.k = K - k1;
+        next.at = g * group_len + k1 * PANEL, next.k = K - k1;
     } else {
         group = g + 1 < g1 ? g + 1 : __atomic_load_n(next_group, __ATOMIC_RELAXED);
         if (group >= groups) return next;
-        next.at = group * np * panel_len, next.k = K;
+        next.at = group * group_len, next.k = K;
     }
     next.k = next.k < kblock ? next.k : kblock;
-    next.panels = panels - group * np < np ? panels - group * np : np;
+    next.panels = pair_half ? 2 : panels - group * np < np ? panels - group * np : np;
     next.per_panel = chunks / next.panels; /* each chunk prefetches at least 16 lines */
     next.per_panel = next.per_panel < next.k / 16 ? next.per_panel : next.k / 16;
     return next;
@@ -1930,15 +1924,19 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
      * first chunk stalls on memory and the rest run from L1 with memory idle (perf: the first, 2-row chunk had  \
      * more samples than the two 3-row ones together). 16 rows: 0.80-0.88 of the time over smollm2's 120         \
      * projections, 32 rows 0.89, 64 rows 0.97, the same at 1, 4 and 8 (one-process A/B, same bits).             \
+     * With `pair_half` > 0 (up to DECODE_ROWS rows; see packed_swiglu_groups) group g is panels g and        \
+     * g + pair_half, computed into a block on the stack, and each row's silu(gate) * up goes into `act_out`.    \
      * `greedy` is the AVX-512 build's (this one computes logits; see packed_linear_greedy). */                  \
-    static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
-                                    int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
-        (void)greedy;                                                                                            \
+    static void packed_pass_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,       \
+                                  int64_t K, int64_t *next_group, int64_t nthreads, int64_t pair_half,           \
+                                  float *act_out) {                                                              \
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
         int last_cols = N % PANEL ? (int)(N % PANEL) : PANEL;                                                    \
         int64_t step = M <= ROW_TILE ? M : ROW_TILE; /* rows per tile of the packed input */                     \
-        int np = avx2_panels_per_group(M);                                                                       \
-        int64_t groups = (panels + np - 1) / np;                                                                 \
+        int np = pair_half ? 2 : avx2_panels_per_group(M);                                                       \
+        int64_t groups = pair_half ? pair_half : (panels + np - 1) / np;                                         \
+        int64_t ld = pair_half ? 2 * PANEL : N, panel_stride = pair_half ? pair_half * panel_len : panel_len;    \
+        T block[DECODE_ROWS * 2 * PANEL], act[PANEL]; /* pairs: a group's gate and up outputs, a row's SwiGLU */ \
         /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
         int across = M > DECODE_ROWS; /* chunks across row tiles (avx2_row_chunks) */                            \
         int64_t chunks = across ? avx2_chunks(M)                                                                 \
@@ -1957,15 +1955,16 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
         avx2_shares shares = {.key = {-1}};                                                                      \
         for (int64_t g0, g1; claim_groups(next_group, groups, nthreads, &g0, &g1);) {                            \
             for (int64_t g = g0; g < g1; g++) {                                                                  \
-                int64_t p0 = g * np;                                                                             \
-                int gp = panels - p0 < np ? (int)(panels - p0) : np; /* panels in this group */                  \
-                int cols = p0 + gp == panels ? last_cols : PANEL;                                                \
+                int64_t p0 = pair_half ? g : g * np;                                                             \
+                int gp = pair_half ? 2 : panels - p0 < np ? (int)(panels - p0) : np; /* panels in the group */   \
+                int cols = !pair_half && p0 + gp == panels ? last_cols : PANEL;                                  \
                 const T *wg = w + p0 * panel_len;                                                                \
                 const T *bg = bias ? bias + p0 * PANEL : NULL;                                                   \
+                T *og = pair_half ? block : out + p0 * PANEL;                                                    \
                 for (int64_t k0 = 0; k0 < K; k0 += kblock) {                                                     \
                     int64_t k1 = k0 + kblock < K ? k0 + kblock : K;                                              \
                     avx2_next_block next = avx2_next(g, g1, next_group, groups, np, panels, panel_len, k1, K,    \
-                                                     kblock, chunks);                                            \
+                                                     kblock, chunks, pair_half);                                 \
                     avx2_share_table(&next, k1 - k0, &shares);                                                   \
                     float *pc = part;                                                                            \
                     for (int64_t ci = 0; across && ci < chunks; ci++, pc += part_len) {                          \
@@ -1986,22 +1985,31 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
                             int pf = ci < shares.n;                                                              \
                             int64_t pf_at = pf ? next.at + shares.at[ci] : 0;                                    \
                             int64_t pf_step = pf ? shares.step[ci] : 0;                                          \
-                            packed_tiles_##SUF[pf][r1 - r0][gp](a + t0 * K + r0, step, wg, panel_len, k0, k1, K, \
-                                                                pc, bg, out + (t0 + r0) * N + p0 * PANEL, N,     \
-                                                                cols, w + pf_at, pf_step);                       \
+                            packed_tiles_##SUF[pf][r1 - r0][gp](a + t0 * K + r0, step, wg, panel_stride, k0, k1, \
+                                                                K, pc, bg, og + (t0 + r0) * ld, ld, cols,        \
+                                                                w + pf_at, pf_step);                             \
                         }                                                                                        \
                     }                                                                                            \
+                }                                                                                                \
+                for (int64_t m = 0; pair_half && m < M; m++) { /* act_out in pack_row's layout */                \
+                    silu_and_mul_row_##SUF(block + m * 2 * PANEL, act, PANEL);                                   \
+                    float *dst = act_out + m / step * step * pair_half * PANEL + g * PANEL * step + m % step;    \
+                    for (int j = 0; j < PANEL; j++) dst[j * step] = load_##SUF(act + j);                         \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
         if (part != small) free(part);                                                                           \
         free(chunk);                                                                                             \
     }                                                                                                            \
-    /* Never called: swiglu_fusable is 0 in this build. */                                                       \
+    static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
+                                    int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
+        (void)greedy;                                                                                            \
+        packed_pass_##SUF(a, w, bias, out, M, N, K, next_group, nthreads, 0, NULL);                              \
+    }                                                                                                            \
+    /* gate_up and SwiGLU in one pass (see the AVX-512 build's): the pairs of packed_pass. */                    \
     static void packed_swiglu_groups_##SUF(const float *a, const T *w, int64_t M, int64_t inter, int64_t K,      \
                                            int64_t *next_group, int64_t nthreads, float *a_out) {                \
-        (void)a, (void)w, (void)M, (void)inter, (void)K, (void)next_group, (void)nthreads, (void)a_out;          \
-        abort();                                                                                                 \
+        packed_pass_##SUF(a, w, NULL, NULL, M, 2 * inter, K, next_group, nthreads, inter / PANEL, a_out);        \
     }
 
 /* Greedy decoding from the lm_head through the logits (the AVX-512 build fuses it: see there): the packed
