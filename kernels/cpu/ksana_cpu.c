@@ -1285,13 +1285,13 @@ typedef struct {
     int32_t *id, *nan_id;  /* the first column holding the maximum (-1: every logit -inf); the first NaN's (-1) */
 } greedy_groups;
 
-/* The calling thread's next run of panel groups [*g0, *g1) from the shared counter `next_group`: half a thread's
- * share of what is left, down to one (why: see packed_groups); the run is empty when other threads took the last
- * groups first, and there is none (0) once no group is left. */
+/* The calling thread's next run of panel groups [*g0, *g1) from the shared counter `next_group`: a thread's share
+ * of what is left, down to one (why: see packed_groups); the run is empty when other threads took the last groups
+ * first, and there is none (0) once no group is left. */
 static inline int claim_groups(int64_t *next_group, int64_t groups, int64_t nthreads, int64_t *g0, int64_t *g1) {
     int64_t first = __atomic_load_n(next_group, __ATOMIC_RELAXED);
     if (first >= groups) return 0;
-    int64_t chunk = (groups - first) / (2 * nthreads);
+    int64_t chunk = (groups - first) / nthreads;
     chunk = chunk < 1 ? 1 : chunk;
     *g0 = __atomic_fetch_add(next_group, chunk, __ATOMIC_RELAXED);
     *g1 = *g0 + chunk < groups ? *g0 + chunk : groups;
@@ -1608,12 +1608,14 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
                                                                                                                  \
     /* The matmul over packed input `a` (pack_row's layout, whole tiles) for the calling thread, which takes     \
      * panel groups from the shared counter `next_group` (0 at the start) until none is left.                    \
-     * Panel groups are handed out in chunks of half a thread's share of what is left, down to one: a thread     \
-     * the OS preempts (the event loop of a server shares these cores) leaves the rest to the others, the last   \
-     * chunks are small so the threads reach the barrier together, and the early ones are long contiguous        \
-     * streams (fewer restarts of the hardware prefetcher than fixed 1/8 shares: 0-3% less time over smollm2's   \
-     * 120 projections at 16 rows in three one-process A/Bs, and a 4% faster batch-16 forward in an engine A/B   \
-     * of three runs each). */                                                                                   \
+     * Panel groups are handed out in chunks of a thread's share of what is left, down to one: a thread the OS   \
+     * preempts (the event loop of a server shares these cores) leaves the rest to the others, the last chunks   \
+     * are small so the threads reach the barrier together, and the early ones are long contiguous streams (each \
+     * new chunk restarts the stream). Fixed 1/8 shares were 0-3% slower over smollm2's 120 projections at 16    \
+     * rows (the batch-16 forward 4%); half a thread's share (sessions 14-26) 1.030 of the batch-16 step at      \
+     * context 128, 1.014 at 512, 1.003 at batch 1 (bench/decode_ab.py on the AMX Xeon, session 27). A           \
+     * preempted thread now holds up to half the work of the first chunks, not a quarter: saturated serving on   \
+     * that VM measured the same (bench/serving_vs_offline.py 0.977 against 0.978). */                           \
     static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
                                     int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
