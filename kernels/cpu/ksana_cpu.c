@@ -1225,12 +1225,22 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
 #define PACKED_PREFETCH_L2 2048        /* ...and into L2 (8 KiB) */
 #define LINEAR_PARALLEL_MIN (1 << 18)  /* M * N * K below this stays on the calling thread */
 
-/* Whether decode_layers runs an MLP's gate_up projection and SwiGLU as one pass (packed_swiglu_groups): up to
- * DECODE_ROWS rows (larger inputs take the wider groups of the gemm tiles), gate and up in whole panels, and no
- * bias (the pass adds none). */
-static inline int swiglu_fusable(int64_t M, int64_t inter, const void *gate_up_bias) {
-    return M <= DECODE_ROWS && inter % PANEL == 0 && !gate_up_bias;
-}
+/* Whether decode_layers can run an MLP's gate_up projection and SwiGLU as one pass (packed_swiglu_groups): up to
+ * DECODE_ROWS rows (larger inputs take the wider groups of the gemm tiles) and gate and up in whole panels; the
+ * pass adds no bias, so a layer with a gate_up bias keeps the two passes. */
+static inline int swiglu_fusable(int64_t M, int64_t inter) { return M <= DECODE_ROWS && inter % PANEL == 0; }
+/* The one pass's epilogue, for both builds' packed_swiglu_groups: each of a pair group's M rows in `block`
+ * (gate's 16 columns, then up's) through the build's SwiGLU row, into columns [16 g, 16 g + 16) of down's packed
+ * input (pack_row). */
+#define DEFINE_SWIGLU_INTO_PACKED(SUF, T)                                                                        \
+    static inline void swiglu_into_packed_##SUF(const T *block, int64_t M, int64_t g, int64_t inter, float *a) { \
+        int64_t step = M <= ROW_TILE ? M : ROW_TILE;                                                             \
+        T act[PANEL];                                                                                            \
+        for (int64_t m = 0; m < M; m++) {                                                                        \
+            SILU_AND_MUL_ROW(SUF)(block + m * 2 * PANEL, act, PANEL);                                            \
+            pack_row_##SUF(act, inter, 0, PANEL, a + g * PANEL * step, M, m);                                    \
+        }                                                                                                        \
+    }
 
 #if defined(KSANA_AVX512)
 static inline __m512 w16_f32(const float *p) { return _mm512_loadu_ps(p); }
@@ -1665,24 +1675,21 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
     }                                                                                                            \
     /* gate_up and SwiGLU in one pass, for decode_layers (see swiglu_fusable): a group is gate panel g and up    \
      * panel g + inter / 16, which the two-panel tile takes as two panels inter / 16 panels apart, into a block  \
-     * on the stack; then silu_and_mul_row16 over each of the block's rows, and the result straight into down's  \
-     * packed input `a_out` (pack_row's layout). The same values as the matmul, the SiLU pass and the packing,   \
-     * without the [M, 2 * inter] output, the SiLU phase or its barrier: a batch-16 decode step in 0.952 of the  \
-     * time at context 128, 0.963 at 512, 0.958 in bfloat16, 0.956 at batch 8, 0.98-0.99 at 1-4 rows             \
-     * (bench/decode_ab.py on the AMX Xeon, same bits). */                                                       \
+     * on the stack; then the SwiGLU of each of the block's rows straight into down's packed input `a_out`      \
+     * (swiglu_into_packed). The same values as the matmul, the SiLU pass and the packing, without the           \
+     * [M, 2 * inter] output, the SiLU phase or its barrier: a batch-16 decode step in 0.952 of the time at      \
+     * context 128, 0.963 at 512, 0.958 in bfloat16, 0.956 at batch 8, 0.98-0.99 at 1-4 rows (bench/decode_ab.py \
+     * on the AMX Xeon, same bits). */                                                                           \
+    DEFINE_SWIGLU_INTO_PACKED(SUF, T)                                                                            \
     static void packed_swiglu_groups_##SUF(const float *a, const T *w, int64_t M, int64_t inter, int64_t K,      \
                                            int64_t *next_group, int64_t nthreads, float *a_out) {                \
-        int64_t half = inter / PANEL, panel_len = K * PANEL, step = M <= ROW_TILE ? M : ROW_TILE;                \
-        T block[DECODE_ROWS * 2 * PANEL], act[PANEL];                                                            \
+        int64_t half = inter / PANEL, panel_len = K * PANEL;                                                     \
+        T block[DECODE_ROWS * 2 * PANEL];                                                                        \
         for (int64_t g0, g1; claim_groups(next_group, half, nthreads, &g0, &g1);) {                              \
             for (int64_t g = g0; g < g1; g++) {                                                                  \
                 packed_pair_tiles_##SUF[M](a, w + g * panel_len, half * panel_len, K, NULL, block, 2 * PANEL,    \
                                            (int)M, (__mmask16)0xffff, 1);                                        \
-                for (int64_t m = 0; m < M; m++) {                                                                \
-                    silu_and_mul_row16_##SUF(block + m * 2 * PANEL, act, PANEL);                                 \
-                    float *dst = a_out + m / step * step * inter + g * PANEL * step + m % step;                  \
-                    for (int j = 0; j < PANEL; j++) dst[j * step] = load_##SUF(act + j);                         \
-                }                                                                                                \
+                swiglu_into_packed_##SUF(block, M, g, inter, a_out);                                             \
             }                                                                                                    \
         }                                                                                                        \
     }
@@ -1917,6 +1924,7 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
 
 #define DEFINE_PACKED_GROUPS(SUF, T)                                                                             \
     DEFINE_PACKED_TILES_AVX2(SUF, T)                                                                             \
+    DEFINE_SWIGLU_INTO_PACKED(SUF, T)                                                                            \
     /* The matmul over packed input `a` (pack_row's layout) for the calling thread, taking panel groups from     \
      * `next_group` in chunks as the AVX-512 packed_groups does. A group goes avx2_kblock values of k at a time: \
      * every row chunk passes over that block (in L1) before the next, the first one streaming it from memory,   \
@@ -1926,8 +1934,8 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
      * first chunk stalls on memory and the rest run from L1 with memory idle (perf: the first, 2-row chunk had  \
      * more samples than the two 3-row ones together). 16 rows: 0.80-0.88 of the time over smollm2's 120         \
      * projections, 32 rows 0.89, 64 rows 0.97, the same at 1, 4 and 8 (one-process A/B, same bits).             \
-     * With `pair_half` > 0 (up to DECODE_ROWS rows; see packed_swiglu_groups) group g is panels g and        \
-     * g + pair_half, computed into a block on the stack, and each row's silu(gate) * up goes into `act_out`.    \
+     * With `pair_half` > 0 (up to DECODE_ROWS rows; see packed_swiglu_groups) group g is panels g and          \
+     * g + pair_half, computed into a block on the stack, whose SwiGLU goes into `act_out` (swiglu_into_packed). \
      * `greedy` is the AVX-512 build's (this one computes logits; see packed_linear_greedy). */                  \
     static void packed_pass_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,       \
                                   int64_t K, int64_t *next_group, int64_t nthreads, int64_t pair_half,           \
@@ -1938,7 +1946,7 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
         int np = pair_half ? 2 : avx2_panels_per_group(M);                                                       \
         int64_t groups = pair_half ? pair_half : (panels + np - 1) / np;                                         \
         int64_t ld = pair_half ? 2 * PANEL : N, panel_stride = pair_half ? pair_half * panel_len : panel_len;    \
-        T block[DECODE_ROWS * 2 * PANEL], act[PANEL]; /* pairs: a group's gate and up outputs, a row's SwiGLU */ \
+        T block[DECODE_ROWS * 2 * PANEL]; /* pairs: a group's gate and up outputs */                             \
         /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
         int across = M > DECODE_ROWS; /* chunks across row tiles (avx2_row_chunks) */                            \
         int64_t chunks = across ? avx2_chunks(M)                                                                 \
@@ -1993,11 +2001,7 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
                         }                                                                                        \
                     }                                                                                            \
                 }                                                                                                \
-                for (int64_t m = 0; pair_half && m < M; m++) { /* act_out in pack_row's layout */                \
-                    silu_and_mul_row_##SUF(block + m * 2 * PANEL, act, PANEL);                                   \
-                    float *dst = act_out + m / step * step * pair_half * PANEL + g * PANEL * step + m % step;    \
-                    for (int j = 0; j < PANEL; j++) dst[j * step] = load_##SUF(act + j);                         \
-                }                                                                                                \
+                if (pair_half) swiglu_into_packed_##SUF(block, M, g, pair_half * PANEL, act_out);                \
             }                                                                                                    \
         }                                                                                                        \
         if (part != small) free(part);                                                                           \
@@ -2272,7 +2276,7 @@ void decode_phase_clock(double *out, int threads) {
         /* the matmuls' packed input; calloc: the padding rows of a partial last tile stay zero */               \
         float *a = (float *)calloc(row_tiles * ROW_TILE * k_most, sizeof(float));                                \
         /* down's packed input from the fused gate_up and SwiGLU pass (the pass still reads `a`) */              \
-        int fuse_mlp = swiglu_fusable(M, inter, NULL);                                                           \
+        int fuse_mlp = swiglu_fusable(M, inter);                                                                 \
         float *a_act = fuse_mlp ? (float *)calloc(row_tiles * ROW_TILE * inter, sizeof(float)) : NULL;           \
         /* work counters, 0 at the start: per layer four matmuls' panel groups and the attention's tasks */      \
         int64_t *next_work = (int64_t *)calloc(5 * nlayers, sizeof(int64_t));                                    \
@@ -2350,7 +2354,7 @@ void decode_phase_clock(double *out, int threads) {
                 }                                                                                                \
                 pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
                 TEAM_WAIT(PHASE_POST_NORM);                                                                      \
-                int fused = fuse_mlp && !gate_up_b;                                                              \
+                int fused = fuse_mlp && !gate_up_b; /* the one pass adds no bias */                              \
                 if (fused) {                                                                                     \
                     packed_swiglu_groups_##SUF(a, gate_up_w, M, inter, hidden, next_group + 2, nth, a_act);      \
                     TEAM_WAIT(PHASE_GATE_UP);                                                                    \
