@@ -78,9 +78,11 @@ def cpu_ops() -> KernelOps:
         from kernels.dispatch import TORCH_OPS
 
         return TORCH_OPS
-    from kernels.cpu.ops import AMX_MIN_ROWS, NativeCPUOps, amx_bf16_available
+    from kernels.cpu.ops import AMX_MIN_ROWS, AMX_PREFILL_QUERY_CHUNK, NativeCPUOps, amx_bf16_available
 
-    native = NativeCPUOps(library, bf16_blas_min_rows=AMX_MIN_ROWS if amx_bf16_available() else None)
+    amx = amx_bf16_available()
+    native = NativeCPUOps(library, bf16_blas_min_rows=AMX_MIN_ROWS if amx else None,
+                          bf16_prefill_query_chunk=AMX_PREFILL_QUERY_CHUNK if amx else None)
     projections: dict[str, Callable] = dict.fromkeys(
         ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down", "lm_head"), native.linear
     )

@@ -29,6 +29,11 @@ FUSED_GREEDY_MIN_ROWS = 8
 # at 32 rows the two paths are even for smollm2's MLP and the AMX one 1.7x faster for its attention projections;
 # at 512 (a prefill chunk) it is 6-7x faster (bench/README.md, "bfloat16 on AMX").
 AMX_MIN_ROWS = 32
+# Queries per SDPA call of a bfloat16 prefill on AMX CPUs (where ``attention.PREFILL_QUERY_CHUNK`` is 64): there
+# torch's flash attention runs bfloat16 on AMX tiles, and chunks of 256 took 0.84-0.91 of the time of chunks of 64
+# over smollm2's heads at 128-2,048 new tokens, with or without a cached prefix (scratch harness, two threads, the
+# AMX Xeon; 128 in between).
+AMX_PREFILL_QUERY_CHUNK = 256
 
 
 def amx_bf16_available() -> bool:
@@ -80,15 +85,19 @@ class DecodeLayers:
 class NativeCPUOps:
     """Bound kernels of one loaded library; methods mirror the torch reference functions."""
 
-    def __init__(self, library: ctypes.CDLL, bf16_blas_min_rows: int | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL, bf16_blas_min_rows: int | None = None,
+                 bf16_prefill_query_chunk: int | None = None) -> None:
         """``bf16_blas_min_rows``: bfloat16 matmuls over packed weights with at least this many rows go to torch's
-        matmul (``cpu_ops`` sets ``AMX_MIN_ROWS`` on AMX CPUs); None: never."""
+        matmul (``cpu_ops`` sets ``AMX_MIN_ROWS`` on AMX CPUs); None: never. ``bf16_prefill_query_chunk``: the
+        queries per SDPA call of a bfloat16 prefill (``cpu_ops`` sets ``AMX_PREFILL_QUERY_CHUNK`` on AMX CPUs);
+        None: the reference's."""
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
         self._unpack = {dtype: getattr(library, f"unpack_weight_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
                         if hasattr(library, f"unpack_weight_{suffix}")}
         self.bf16_blas_min_rows = bf16_blas_min_rows if torch.bfloat16 in self._unpack else None
+        self.bf16_prefill_query_chunk = bf16_prefill_query_chunk
         self._scratch = threading.local()  # each thread's unpacked weight (the worker's, perf mode's)
         self._greedy_logprobs = library.greedy_logprobs
         available = hasattr(library, "prefill_attention_f32") and library.prefill_attention_available()
@@ -315,14 +324,16 @@ class NativeCPUOps:
                                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """``attention.paged_prefill_attention`` in float32 on AVX2 CPUs (``prefill_attention`` in ksana_cpu.c reads
-        every key, the new ones too, from the cache, where the store already put them); the reference otherwise."""
+        every key, the new ones too, from the cache, where the store already put them); the reference otherwise,
+        bfloat16 in ``bf16_prefill_query_chunk`` queries a call where that is set."""
         layout = _cache_layout(k_cache, v_cache)
         q_len, num_heads, head_dim = query.shape
         if not (self._prefill_attention is not None and query.dtype == k_cache.dtype == torch.float32
                 and _heads_ok(query) and layout is not None and head_dim % 8 == 0 and q_len > 0
                 and block_table.dtype == torch.int64 and block_table.is_contiguous()):
+            chunk = self.bf16_prefill_query_chunk if query.dtype == torch.bfloat16 else None
             return attention.paged_prefill_attention(query, key, value, k_cache, v_cache, block_table, seq_len,
-                                                     scale, sliding_window)
+                                                     scale, sliding_window, query_chunk=chunk)
         _, block_size, num_kv_heads, _ = k_cache.shape
         out = torch.empty((q_len, num_heads, head_dim), dtype=query.dtype)
         self._prefill_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -16,7 +16,13 @@ from kernels import attention, norm, rotary
 from kernels.backends import cpu_ops
 from kernels.cpu import load_library
 from kernels.cpu.build import LEVELS, cpu_level
-from kernels.cpu.ops import AMX_MIN_ROWS, NativeCPUOps, _cache_layout, amx_bf16_available
+from kernels.cpu.ops import (
+    AMX_MIN_ROWS,
+    AMX_PREFILL_QUERY_CHUNK,
+    NativeCPUOps,
+    _cache_layout,
+    amx_bf16_available,
+)
 from kernels.cpu.packed import PackedWeight, dense_weight
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
@@ -93,11 +99,12 @@ def test_env_switch_falls_back_to_the_torch_reference() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm_and_fused_add(native: NativeCPUOps, dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("dim", [576, 45])  # 45: the vector loops' 32 and 8 values a step, then the scalar tail
+def test_rms_norm_and_fused_add(native: NativeCPUOps, dtype: torch.dtype, rows: int, dim: int) -> None:
     torch.manual_seed(rows)
-    weight = torch.randn(576).to(dtype)
-    x = (torch.randn(rows, 576) * 3).to(dtype)
-    residual = torch.randn(rows, 576).to(dtype)
+    weight = torch.randn(dim).to(dtype)
+    x = (torch.randn(rows, dim) * 3).to(dtype)
+    residual = torch.randn(rows, dim).to(dtype)
     torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), norm.rms_norm(x, weight, 1e-5))
     normed, new_residual = native.fused_add_rms_norm(x, residual, weight, 1e-5)
     ref_normed, ref_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
@@ -339,6 +346,36 @@ def test_native_prefill_keeps_sdpa_for_bfloat16(native: NativeCPUOps) -> None:
     q, keys, values, k_cache, v_cache, table = _prefill_case(64, 9, 3, 30, 40, seed=6, dtype=torch.bfloat16)
     args = (q, keys[-30:], values[-30:], k_cache, v_cache, table, 40, 0.125, None)
     assert torch.equal(native.paged_prefill_attention(*args), attention.paged_prefill_attention(*args))
+
+
+@pytest.mark.parametrize(("q_len", "seq_len"), [(300, 300), (100, 400)])
+def test_bfloat16_prefill_takes_its_own_query_chunks(monkeypatch, q_len: int, seq_len: int) -> None:
+    """With ``bf16_prefill_query_chunk`` (AMX CPUs) a bfloat16 prefill is the reference's in chunks of that many
+    queries; float32 keeps the native kernel."""
+    chunked = NativeCPUOps(load_library(), bf16_prefill_query_chunk=256)
+    q, keys, values, k_cache, v_cache, table = _prefill_case(64, 9, 3, q_len, seq_len, seed=8, dtype=torch.bfloat16)
+    args = (q, keys[-q_len:], values[-q_len:], k_cache, v_cache, table, seq_len, 0.125, None)
+    reference, chunks = attention.paged_prefill_attention, []
+
+    def recording(*call_args, query_chunk=None):
+        chunks.append(query_chunk)
+        return reference(*call_args, query_chunk=query_chunk)
+
+    monkeypatch.setattr(attention, "paged_prefill_attention", recording)
+    out = chunked.paged_prefill_attention(*args)
+    monkeypatch.undo()
+    assert chunks == [256]
+    assert torch.equal(out, reference(*args, query_chunk=256))
+    torch.testing.assert_close(out, reference(*args), rtol=2**-7, atol=1e-3)  # a bfloat16 ulp near zero
+    q32, k32, v32, kc32, vc32, table32 = _prefill_case(64, 9, 3, q_len, seq_len, seed=8)
+    args32 = (q32, k32[-q_len:], v32[-q_len:], kc32, vc32, table32, seq_len, 0.125, None)
+    assert torch.equal(chunked.paged_prefill_attention(*args32), NativeCPUOps(load_library()).paged_prefill_attention(
+        *args32))
+
+
+def test_cpu_dispatch_chunks_bfloat16_prefills_for_amx_exactly_on_amx() -> None:
+    prefill = cpu_ops().paged_prefill_attention
+    assert prefill.__self__.bf16_prefill_query_chunk == (AMX_PREFILL_QUERY_CHUNK if amx_bf16_available() else None)
 
 
 def test_unsupported_dtype_uses_the_reference(native: NativeCPUOps) -> None:
