@@ -369,8 +369,8 @@ def test_bfloat16_prefill_takes_its_own_query_chunks(monkeypatch, q_len: int, se
     torch.testing.assert_close(out, reference(*args), rtol=2**-7, atol=1e-3)  # a bfloat16 ulp near zero
     q32, k32, v32, kc32, vc32, table32 = _prefill_case(64, 9, 3, q_len, seq_len, seed=8)
     args32 = (q32, k32[-q_len:], v32[-q_len:], kc32, vc32, table32, seq_len, 0.125, None)
-    assert torch.equal(chunked.paged_prefill_attention(*args32), NativeCPUOps(load_library()).paged_prefill_attention(
-        *args32))
+    unchunked = NativeCPUOps(load_library()).paged_prefill_attention(*args32)
+    assert torch.equal(chunked.paged_prefill_attention(*args32), unchunked)
 
 
 def test_cpu_dispatch_chunks_bfloat16_prefills_for_amx_exactly_on_amx() -> None:
