@@ -1010,6 +1010,63 @@ DEFINE_PREFILL_QK(3)
 DEFINE_PREFILL_PV(4)
 DEFINE_PREFILL_PV(1)
 
+#if defined(KSANA_AVX512)
+/* The same products 16 lanes wide: a tile's 16 keys in one vector, NT tiles (NT x 16 keys) for MR rows at a time,
+ * and 16 of head_dim a vector in the weighted sums of values. Each output is the same FMAs in the same order, so
+ * the same bits as the AVX2 kernels'. smollm2's heads on two threads of the AMX Xeon: 0.89 of the time at 512 new
+ * tokens, 0.84 at 128, 0.90 at 1,024, 0.85 for 256 over a 512-token prefix (the softmax stays 8 lanes wide). */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#define DEFINE_PREFILL_QK16(MR, NT)                                                                              \
+    static void prefill_qk16_##MR##_##NT(const float *q, const float *kt, int64_t dim, float scale, float *s,    \
+                                         int64_t s_stride) {                                                     \
+        __m512 a[MR][NT];                                                                                        \
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++)                                                     \
+            _Pragma("GCC unroll 2") for (int t = 0; t < NT; t++) a[r][t] = _mm512_setzero_ps();                  \
+        for (int64_t d = 0; d < dim; d++) {                                                                      \
+            __m512 k[NT];                                                                                        \
+            _Pragma("GCC unroll 2") for (int t = 0; t < NT; t++)                                                 \
+                k[t] = _mm512_loadu_ps(kt + t * PREFILL_KTILE * dim + d * PREFILL_KTILE);                        \
+            _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                               \
+                __m512 qb = _mm512_set1_ps(q[r * dim + d]);                                                      \
+                _Pragma("GCC unroll 2") for (int t = 0; t < NT; t++)                                             \
+                    a[r][t] = _mm512_fmadd_ps(qb, k[t], a[r][t]);                                              \
+            }                                                                                                    \
+        }                                                                                                        \
+        __m512 sc = _mm512_set1_ps(scale);                                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++)                                                     \
+            _Pragma("GCC unroll 2") for (int t = 0; t < NT; t++)                                                 \
+                _mm512_storeu_ps(s + r * s_stride + t * PREFILL_KTILE, _mm512_mul_ps(a[r][t], sc));              \
+    }
+DEFINE_PREFILL_QK16(6, 2)
+DEFINE_PREFILL_QK16(6, 1)
+DEFINE_PREFILL_QK16(3, 2)
+DEFINE_PREFILL_QK16(3, 1)
+
+#define DEFINE_PREFILL_PV16(NV)                                                                                  \
+    static void prefill_pv3_16_##NV(const float *p, int64_t p_stride, const float *v_cache, const int64_t *rows, \
+                                    int64_t j0, int64_t j1, float *acc, int64_t dim) {                           \
+        __m512 r[3][NV];                                                                                         \
+        _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++)                                                      \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) r[b][c] = _mm512_setzero_ps();                  \
+        for (int64_t j = j0; j < j1; j++) {                                                                      \
+            const float *v = v_cache + rows[j];                                                                  \
+            __m512 w[3];                                                                                         \
+            _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++) w[b] = _mm512_set1_ps(p[b * p_stride + j]);      \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++) {                                               \
+                __m512 x = _mm512_loadu_ps(v + 16 * c);                                                          \
+                _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++) r[b][c] = _mm512_fmadd_ps(w[b], x, r[b][c]); \
+            }                                                                                                    \
+        }                                                                                                        \
+        _Pragma("GCC unroll 3") for (int b = 0; b < 3; b++)                                                      \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NV; c++)                                                 \
+                _mm512_storeu_ps(acc + b * dim + 16 * c, r[b][c]);                                               \
+    }
+DEFINE_PREFILL_PV16(4)
+DEFINE_PREFILL_PV16(1)
+#pragma GCC pop_options
+#endif
+
 /* One task: KV head h, query positions [p0, p1) (absolute). Rows are position-major, the group's query heads
  * within a position: row i * group + g. Score columns start at the task's first key tile, tile `t0` of `kt`. */
 static NOINLINE void prefill_task_f32(const float *q, int64_t q_stride, const float *kt, const float *v_cache,
@@ -1040,12 +1097,23 @@ static NOINLINE void prefill_task_f32(const float *q, int64_t q_stride, const fl
         int64_t last_pos = (r0 + mr - 1) / group < npos ? (r0 + mr - 1) / group : npos - 1;
         int64_t first_tile = key_lo[r0 / group] / PREFILL_KTILE;
         int64_t end_tile = (p0 + last_pos - col0) / PREFILL_KTILE + 1;
-        for (int64_t t = first_tile; t < end_tile; t++) {
+        for (int64_t t = first_tile; t < end_tile;) {
             const float *tile = kt + (t0 + t) * PREFILL_KTILE * dim;
+            float *st = s + r0 * width + t * PREFILL_KTILE;
+#if defined(KSANA_AVX512)
+            int nt = end_tile - t >= 2 ? 2 : 1; /* two tiles a call where there are: 12 accumulators for 6 rows */
             if (mr == 6)
-                prefill_qk_6(qp + r0 * dim, tile, dim, scale, s + r0 * width + t * PREFILL_KTILE, width);
+                (nt == 2 ? prefill_qk16_6_2 : prefill_qk16_6_1)(qp + r0 * dim, tile, dim, scale, st, width);
             else
-                prefill_qk_3(qp + r0 * dim, tile, dim, scale, s + r0 * width + t * PREFILL_KTILE, width);
+                (nt == 2 ? prefill_qk16_3_2 : prefill_qk16_3_1)(qp + r0 * dim, tile, dim, scale, st, width);
+            t += nt;
+#else
+            if (mr == 6)
+                prefill_qk_6(qp + r0 * dim, tile, dim, scale, st, width);
+            else
+                prefill_qk_3(qp + r0 * dim, tile, dim, scale, st, width);
+            t++;
+#endif
         }
         r0 += mr;
     }
@@ -1080,6 +1148,10 @@ static NOINLINE void prefill_task_f32(const float *q, int64_t q_stride, const fl
             float *a = acc + g0 * dim;
             if (group - g0 >= 3) {
                 int64_t d0 = 0;
+#if defined(KSANA_AVX512)
+                for (; d0 + 64 <= dim; d0 += 64) prefill_pv3_16_4(p, width, vc + d0, rows, j0, j1, a + d0, dim);
+                for (; d0 + 16 <= dim; d0 += 16) prefill_pv3_16_1(p, width, vc + d0, rows, j0, j1, a + d0, dim);
+#endif
                 for (; d0 + 32 <= dim; d0 += 32) prefill_pv3_4(p, width, vc + d0, rows, j0, j1, a + d0, dim);
                 for (; d0 < dim; d0 += 8) prefill_pv3_1(p, width, vc + d0, rows, j0, j1, a + d0, dim);
                 continue;
