@@ -20,7 +20,6 @@ import hashlib
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench._results import write_json  # noqa: E402
+from bench._sources import head_source  # noqa: E402
 from kernels.cpu import build  # noqa: E402
 from kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
@@ -53,15 +53,6 @@ class Settings:
     context: int = 128
     tokens: int = 40
     rounds: int = 6
-
-
-def head_source(directory: Path) -> Path:
-    """``kernels/cpu/ksana_cpu.c`` as committed at HEAD, written into ``directory``."""
-    text = subprocess.run(["git", "show", "HEAD:kernels/cpu/ksana_cpu.c"], cwd=REPO, capture_output=True,
-                          check=True).stdout
-    path = directory / "ksana_cpu_head.c"
-    path.write_bytes(text)
-    return path
 
 
 def _pairs(calls: list[tuple[str, float]]) -> list[float]:

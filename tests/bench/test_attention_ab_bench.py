@@ -1,0 +1,55 @@
+"""``bench/attention_ab.py`` on small shapes: two builds' decode attention take turns, and the bit check can fail.
+
+No timing thresholds (the figures are the benchmark's business): what can fail is the bookkeeping of the rounds and
+of the bytes, and the check that two builds give the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels.cpu import build
+from tests.bench import load_bench
+
+FINISH_LINE = "float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("attention_ab")
+
+
+@pytest.fixture(scope="module")
+def current(bench, tmp_path_factory):
+    """The working tree's kernels, compiled once for every test here (a build takes seconds)."""
+    return bench.build_ops(build.SOURCE, tmp_path_factory.mktemp("attention_ab") / "current")
+
+
+def _settings(bench, b_source, hot=False):
+    # batch 8: a task is a whole sequence on up to 4 threads, so every output goes through decode_finish
+    return bench.Settings(a_source=build.SOURCE, b_source=b_source, batch=8, context=40, layers=3, rounds=4,
+                          hot=hot)
+
+
+@pytest.mark.parametrize("hot", [False, True])
+def test_one_source_against_itself_agrees_and_counts_the_kv(bench, current, hot):
+    report = bench.run_ab(_settings(bench, build.SOURCE, hot=hot), {"a": current, "b": current})
+    assert report["same_bits"] is True
+    assert len(report["rounds"]) == 4
+    assert all(r["a_s"] > 0 and r["b_s"] > 0 for r in report["rounds"])
+    ratios = report["b_over_a"]
+    assert ratios["n"] == 4 and ratios["q1"] <= ratios["median"] <= ratios["q3"]
+    assert report["kv_bytes_a_pass"] == 2 * 8 * 40 * 3 * 64 * 4 * 3  # K and V, batch x context x KV heads x dim
+    for b in report["builds"].values():
+        assert b["median_ms"] > 0 and b["kv_gb_per_s"] > 0 and b["ns_per_position_and_kv_head_a_thread"] > 0
+    assert report["sources"]["a"]["sha256"] == report["sources"]["b"]["sha256"]
+
+
+def test_a_build_whose_attention_differs_is_reported(bench, current, tmp_path):
+    source = build.SOURCE.read_text()
+    assert FINISH_LINE in source  # the line this test perturbs (the softmax's normaliser)
+    changed = tmp_path / "ksana_cpu_changed.c"
+    changed.write_text(source.replace(FINISH_LINE, FINISH_LINE.replace("1.0f / sums[g]", "1.001f / sums[g]")))
+    report = bench.run_ab(_settings(bench, changed), {"a": current, "b": bench.build_ops(changed, tmp_path / "b")})
+    assert report["same_bits"] is False
+    assert report["sources"]["a"]["sha256"] != report["sources"]["b"]["sha256"]
