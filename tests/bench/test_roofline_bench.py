@@ -92,7 +92,7 @@ def test_decode_rows_cover_every_batch_and_context_and_bound_each_ceiling(report
         assert d["flops_per_step"] / rate == pytest.approx(d["compute_s"], rel=0.2)
         assert d["step_ratio"] > 0 and d["worker_ratio"] > 0
         assert 0 < d["pct_of_roofline"]
-        assert d["pct_of_roofline"] == pytest.approx(100 / d["step_ratio"], rel=0.5)
+        assert d["pct_of_roofline"] == pytest.approx(100 / d["step_ratio"])  # the same median, inverted
         # The kernel bound: weights at this batch's streamed-matmul rate, KV at the read rate.
         stream = report["ceilings"]["streamed_matmul"][str(d["batch"])]["bytes_per_s"]
         kernel = d["weight_bytes_per_step"] / stream + d["kv_bytes_per_step"] / bandwidth
