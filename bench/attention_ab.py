@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import platform
 import statistics
 import sys
@@ -44,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench._results import write_json  # noqa: E402
-from bench._sources import head_source  # noqa: E402
+from bench._sources import build_ops, head_source  # noqa: E402
 from kernels.cpu import build  # noqa: E402
 from kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
@@ -87,13 +86,6 @@ def _cache(s: Settings, dtype: torch.dtype) -> tuple[KVCache, torch.Tensor]:
         v.copy_(torch.randn(v.shape, generator=generator))
     table = torch.randperm(num_blocks, generator=generator).view(s.batch, per_seq).contiguous()
     return cache, table
-
-
-def build_ops(source: Path, directory: Path) -> NativeCPUOps:
-    """``source`` compiled into ``directory`` with this machine's flags (a fresh folder)."""
-    directory.mkdir()
-    print(f"building {source}", flush=True)
-    return NativeCPUOps(build.build_library(source, directory))
 
 
 def run_ab(s: Settings, builds: dict[str, NativeCPUOps] | None = None) -> dict[str, Any]:
@@ -195,5 +187,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     main()

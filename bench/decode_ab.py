@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench._results import write_json  # noqa: E402
-from bench._sources import head_source  # noqa: E402
+from bench._sources import build_ops, head_source  # noqa: E402
 from kernels.cpu import build  # noqa: E402
 from kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
@@ -85,12 +85,8 @@ def _same_bits(builds: dict[str, NativeCPUOps], step: tuple) -> bool:
 
 def run_ab(settings: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        builds = {}
-        for tag, source in (("a", settings.a_source), ("b", settings.b_source)):
-            directory = Path(tmp) / tag
-            directory.mkdir()
-            print(f"building {tag}: {source}", flush=True)
-            builds[tag] = NativeCPUOps(build.build_library(source, directory))
+        builds = {tag: build_ops(source, Path(tmp) / tag)
+                  for tag, source in (("a", settings.a_source), ("b", settings.b_source))}
         if not builds["a"].has_linear:
             return {"settings": _settings_json(settings), "error": "no fused decode step on this CPU (it needs "
                     "AVX2 or AVX-512: linear_available() is 0)"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench._sources import build_ops
 from kernels.cpu import build
 from tests.bench import load_bench
 
@@ -22,7 +23,7 @@ def bench():
 @pytest.fixture(scope="module")
 def current(bench, tmp_path_factory):
     """The working tree's kernels, compiled once for every test here (a build takes seconds)."""
-    return bench.build_ops(build.SOURCE, tmp_path_factory.mktemp("attention_ab") / "current")
+    return build_ops(build.SOURCE, tmp_path_factory.mktemp("attention_ab") / "current")
 
 
 def _settings(bench, b_source, hot=False):
@@ -50,6 +51,6 @@ def test_a_build_whose_attention_differs_is_reported(bench, current, tmp_path):
     assert FINISH_LINE in source  # the line this test perturbs (the softmax's normaliser)
     changed = tmp_path / "ksana_cpu_changed.c"
     changed.write_text(source.replace(FINISH_LINE, FINISH_LINE.replace("1.0f / sums[g]", "1.001f / sums[g]")))
-    report = bench.run_ab(_settings(bench, changed), {"a": current, "b": bench.build_ops(changed, tmp_path / "b")})
+    report = bench.run_ab(_settings(bench, changed), {"a": current, "b": build_ops(changed, tmp_path / "b")})
     assert report["same_bits"] is False
     assert report["sources"]["a"]["sha256"] != report["sources"]["b"]["sha256"]
