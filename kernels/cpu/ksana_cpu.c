@@ -236,6 +236,54 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
         _Pragma("GCC unroll 3") for (int b = 0; b < QB; b++)                                                     \
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + b * dim + 8 * c, r[b][c]); \
     }
+/* The dim-64 blocks: one query head over a tile's rows, each K (qk) or V (pv) row read whole before the next,
+ * so a block's rows come from memory in address order; the GQA blocks above step through four rows at once, 32
+ * bytes of each, and the memory system serves that order slower (a plain read of randomly placed 4 KiB blocks:
+ * 1.2-1.3x slower in the GQA blocks' order on the Zen 2 EPYC). The task's later query heads of the KV head read
+ * the tile again from L1. The same sums in the same order as the GQA blocks (the same bits); 0.94 of their time
+ * over 30 cold layers at batch 16, context 512 (bench/attention_ab.py). */
+#define DEFINE_ROWS64_AVX2(SUF, T)                                                                               \
+    static inline void qk_rows64_##SUF(const float *q, const T *kc, const int64_t *rows, int64_t m, float scale, \
+                                       float *s, __m128 *vmax, float *smax, decode_prefetch_##SUF *pf) {         \
+        __m256 qv[8];                                                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);                  \
+        int64_t i = 0;                                                                                           \
+        for (; i + 4 <= m; i += 4) {                                                                             \
+            __m256 a[4];                                                                                         \
+            _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                                \
+                decode_prefetch_next_##SUF(pf);                                                                  \
+                const T *k = kc + rows[i + p];                                                                   \
+                a[p] = _mm256_setzero_ps();                                                                      \
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++)                                              \
+                    a[p] = _mm256_fmadd_ps(qv[c], load8_##SUF(k + 8 * c), a[p]);                                 \
+            }                                                                                                    \
+            __m128 sc = _mm_mul_ps(sum4x8(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale));                          \
+            _mm_storeu_ps(s + i, sc);                                                                            \
+            *vmax = _mm_max_ps(*vmax, sc);                                                                       \
+        }                                                                                                        \
+        for (; i < m; i++) {                                                                                     \
+            decode_prefetch_next_##SUF(pf);                                                                      \
+            const T *k = kc + rows[i];                                                                           \
+            __m256 a = _mm256_setzero_ps();                                                                      \
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++)                                                  \
+                a = _mm256_fmadd_ps(qv[c], load8_##SUF(k + 8 * c), a);                                           \
+            s[i] = sum8(a) * scale;                                                                              \
+            if (s[i] > *smax) *smax = s[i];                                                                      \
+        }                                                                                                        \
+    }                                                                                                            \
+    static inline void pv_rows64_##SUF(const float *s, const T *vc, const int64_t *rows, int64_t j0, int64_t j1, \
+                                       float *acc, decode_prefetch_##SUF *pf) {                                  \
+        __m256 r[8];                                                                                             \
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps(acc + 8 * c);                 \
+        for (int64_t j = j0; j < j1; j++) {                                                                      \
+            decode_prefetch_next_##SUF(pf);                                                                      \
+            const T *v = vc + rows[j];                                                                           \
+            __m256 w = _mm256_set1_ps(s[j]);                                                                     \
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++)                                                  \
+                r[c] = _mm256_fmadd_ps(w, load8_##SUF(v + 8 * c), r[c]);                                         \
+        }                                                                                                        \
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, r[c]);                 \
+    }
 /* One decode task (a sequence's KV heads, or one of them), head_dim a multiple of 8; query head g reads KV head
  * g / head_group. Positions go in tiles of DECODE_TILE_AVX2, and each tile serves every query head while its K
  * (then V) rows are in cache, so a long context is read from memory once, not once per head; the query heads of
@@ -248,6 +296,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     DEFINE_GQA_AVX2(SUF, T, 1)                                                                                   \
     DEFINE_GQA_AVX2(SUF, T, 2)                                                                                   \
     DEFINE_GQA_AVX2(SUF, T, 3)                                                                                   \
+    DEFINE_ROWS64_AVX2(SUF, T)                                                                                   \
     static void decode_task_avx2_##SUF(const float *qf, const T *k_cache, const T *v_cache,                      \
                                        const int64_t *kv_rows,                                                   \
                                        int64_t n, int64_t group, int64_t head_group, int64_t dim,                \
@@ -261,10 +310,17 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
             int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
             for (int64_t h = 0; h < nkv; h++) { /* a unit: its loop iterations, four positions or one each */    \
+                int64_t iters = dim == 64 ? head_group * (t1 - t0) /* one per position of each query head */     \
+                                          : blocks * ((t1 - t0) / 4 * ((dim + 15) / 16) + (t1 - t0) % 4);        \
                 decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride,                  \
-                                           t0 / DECODE_TILE_AVX2, h, 0,                                          \
-                                           blocks * ((t1 - t0) / 4 * ((dim + 15) / 16) + (t1 - t0) % 4));        \
+                                           t0 / DECODE_TILE_AVX2, h, 0, iters);                                  \
                 const T *kc = k_cache + h * head_stride;                                                         \
+                if (dim == 64) {                                                                                 \
+                    for (int64_t g = h * head_group; g < (h + 1) * head_group; g++)                              \
+                        qk_rows64_##SUF(qf + g * dim, kc, kv_rows + t0, t1 - t0, scale, scores + g * n + t0,     \
+                                        vmax + g, maxs + g, &pf);                                                \
+                    continue;                                                                                    \
+                }                                                                                                \
                 for (int64_t g0 = h * head_group, g_end = g0 + head_group; g0 < g_end; g0 += 3) {                \
                     int qb = (int)(g_end - g0 < 3 ? g_end - g0 : 3);                                             \
                     const float *qg = qf + g0 * dim;                                                             \
@@ -320,9 +376,15 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
         for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
             int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
             for (int64_t h = 0; h < nkv; h++) { /* a unit: one iteration per position and slice */               \
+                int64_t iters = dim == 64 ? head_group * (t1 - t0) : blocks * (t1 - t0) * slices;                \
                 decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride,                  \
-                                           t0 / DECODE_TILE_AVX2, h, 1, blocks * (t1 - t0) * slices);            \
+                                           t0 / DECODE_TILE_AVX2, h, 1, iters);                                  \
                 const T *vc = v_cache + h * head_stride;                                                         \
+                if (dim == 64) {                                                                                 \
+                    for (int64_t g = h * head_group; g < (h + 1) * head_group; g++)                              \
+                        pv_rows64_##SUF(scores + g * n, vc, kv_rows, t0, t1, acc + g * dim, &pf);                \
+                    continue;                                                                                    \
+                }                                                                                                \
                 for (int64_t g0 = h * head_group, g_end = g0 + head_group; g0 < g_end; g0 += 3) {                \
                     int qb = (int)(g_end - g0 < 3 ? g_end - g0 : 3);                                             \
                     const float *sg = scores + g0 * n;                                                           \
