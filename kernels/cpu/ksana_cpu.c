@@ -286,8 +286,10 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     }
 /* One decode task (a sequence's KV heads, or one of them), head_dim a multiple of 8; query head g reads KV head
  * g / head_group. Positions go in tiles of DECODE_TILE_AVX2, and each tile serves every query head while its K
- * (then V) rows are in cache, so a long context is read from memory once, not once per head; the query heads of
- * a KV head go through the GQA blocks together, up to three at a time. The exp is vectorised; P @ V accumulates
+ * (then V) rows are in cache, so a long context is read from memory once, not once per head; at head size 64
+ * each query head goes through the tile alone (the dim-64 blocks: rows in address order), at other sizes the
+ * query heads of a KV head go through the GQA blocks together, up to three at a time (a 128-wide query does not
+ * fit the registers the dim-64 blocks keep it in). The exp is vectorised; P @ V accumulates
  * in registers within a tile and in `acc` across tiles. `kv_rows[i]` is where position i's first KV head of the
  * task starts; KV head h lies h * head_stride further (dim slot-major, block_size * dim head-major: see
  * store_kv). The rows are prefetched as decode_prefetch says. */
