@@ -2038,14 +2038,40 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
     static const packed_rows_tile_##SUF##_fn packed_rows_tiles_##SUF[2][AVX2_MR + 1][5] = {                      \
         {PACKED_TILES_AVX2_ROWS(SUF, 01)}, {PACKED_TILES_AVX2_ROWS(SUF, 11)}};
 
-/* The rows of one tile of the packed input (`rows`, up to ROW_TILE) in chunks of at most AVX2_MR, as even as
- * they go: chunk c is rows [rows * c / n, rows * (c + 1) / n) of n. */
-static inline int64_t avx2_chunks(int64_t rows) { return (rows + AVX2_MR - 1) / AVX2_MR; }
+/* The rows of one tile of the packed input (`rows`, up to ROW_TILE) in chunks of at most `mr` rows (AVX2_MR, or
+ * 2: see avx2_decode_mr), as even as they go: chunk c is rows [rows * c / n, rows * (c + 1) / n) of n. */
+static inline int64_t avx2_chunks(int64_t rows, int64_t mr) { return (rows + mr - 1) / mr; }
 /* Panels per group: as many as keep the largest chunk at 12 accumulators at most. */
-static inline int avx2_panels_per_group(int64_t M) {
-    int64_t rows = M < ROW_TILE ? M : ROW_TILE, chunks = avx2_chunks(rows);
+static inline int avx2_panels_per_group(int64_t M, int64_t mr) {
+    int64_t rows = M < ROW_TILE ? M : ROW_TILE, chunks = avx2_chunks(rows, mr);
     int64_t most = (rows + chunks - 1) / chunks;
     return most >= 3 ? 2 : most == 2 ? 3 : 4;
+}
+/* A model of a decode pass's tile time per panel and k, chunks of at most `mr` rows: a chunk's FMAs a k at two a
+ * cycle, but no faster than the 5-cycle FMA latency of one accumulator (fewer than 10 accumulators wait on it),
+ * over its panels, plus 0.3 for each chunk (its passes over the block from L1, its partial sums); fitted to
+ * one-process A/Bs of the two chunkings below on the Zen 2 EPYC (2 to 16 rows, smollm2's projections). */
+static inline double avx2_pass_cost(int64_t M, int64_t mr) {
+    int np = avx2_panels_per_group(M, mr);
+    double cost = 0;
+    for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
+        int64_t rows = M - t0 < ROW_TILE ? M - t0 : ROW_TILE, n = avx2_chunks(rows, mr);
+        for (int64_t c = 0; c < n; c++) {
+            double fmas = 2.0 * np * (rows * (c + 1) / n - rows * c / n);
+            cost += (fmas / 2 > 5 ? fmas / 2 : 5) / np + 0.3;
+        }
+    }
+    return cost;
+}
+/* Rows per chunk of a decode pass (up to DECODE_ROWS rows, not the gate_up pairs, whose groups are two panels):
+ * 2-row chunks over 3 panels where the model says they beat the 3-row chunks over 2, which leave 2-row chunks
+ * over 2 panels (8 accumulators) wherever the rows do not split into threes. At 16 rows (2 + 3 + 3 twice
+ * against 2 x 4 twice) the packed linear took 0.96-0.97 of the time over smollm2's shapes, at 12 rows 0.925,
+ * 8 rows 0.98 (the lm_head 0.93), 9 and 10 rows 0.94-0.97; at 5, 6, 11, 13 and 14 rows the model keeps threes
+ * (2-row chunks there: 1.00-1.10). The fused step at batch 16 (bench/decode_ab.py): context 128 0.987, context
+ * 512 1.002, where the attention's KV reads set the pace. The same sums in the same order: the same bits. */
+static inline int64_t avx2_decode_mr(int64_t M) {
+    return avx2_pass_cost(M, 2) < avx2_pass_cost(M, AVX2_MR) ? 2 : AVX2_MR;
 }
 
 /* The block of panels a thread streams after the current one, and how its row chunks share prefetching it:
@@ -2113,7 +2139,7 @@ typedef struct {
  * projections at 512 rows 0.94-0.98. Up to 16 rows the chunks stay within the tiles: across them (3 + 3 + 3 + 3
  * + 2 + 2 at 16 rows), with a pointer per row for every tile, the step took 1.011-1.015 (decode_ab.py). */
 static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *chunk) {
-    int64_t chunks = avx2_chunks(M);
+    int64_t chunks = avx2_chunks(M, AVX2_MR);
     for (int64_t ci = 0; ci < chunks; ci++) {
         int64_t left = M - ci * AVX2_MR;
         chunk[ci].row = ci * AVX2_MR, chunk[ci].rows = (int)(left < AVX2_MR ? left : AVX2_MR);
@@ -2147,20 +2173,21 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
         int last_cols = N % PANEL ? (int)(N % PANEL) : PANEL;                                                    \
         int64_t step = M <= ROW_TILE ? M : ROW_TILE; /* rows per tile of the packed input */                     \
-        int np = pair_half ? 2 : avx2_panels_per_group(M);                                                       \
+        int across = M > DECODE_ROWS; /* chunks across row tiles (avx2_row_chunks) */                            \
+        int64_t mr = across || pair_half ? AVX2_MR : avx2_decode_mr(M); /* rows per chunk at most */             \
+        int np = pair_half ? 2 : avx2_panels_per_group(M, mr);                                                   \
         int64_t groups = pair_half ? pair_half : (panels + np - 1) / np;                                         \
         int64_t ld = pair_half ? 2 * PANEL : N, panel_stride = pair_half ? pair_half * panel_len : panel_len;    \
         T block[DECODE_ROWS * 2 * PANEL]; /* pairs: a group's gate and up outputs */                             \
         /* a chunk's partial sums: at most 12 accumulators of 8 floats; 3 chunks on the stack (to 8 rows) */     \
-        int across = M > DECODE_ROWS; /* chunks across row tiles (avx2_row_chunks) */                            \
-        int64_t chunks = across ? avx2_chunks(M)                                                                 \
-                                : M / step * avx2_chunks(step) + (M % step ? avx2_chunks(M % step) : 0);         \
+        int64_t chunks = across ? avx2_chunks(M, mr)                                                             \
+                                : M / step * avx2_chunks(step, mr) + (M % step ? avx2_chunks(M % step, mr) : 0); \
         int64_t part_len = 12 * 8, kblock = avx2_kblock(M);                                                      \
         float small[3 * 12 * 8];                                                                                 \
         float *part = chunks <= 3 ? small : (float *)malloc(sizeof(float) * chunks * part_len);                  \
         /* row chunk c of a whole row tile and of a partial last one: rows [bounds[c], bounds[c + 1]) */         \
         int64_t last_rows = M % step ? M % step : step;                                                          \
-        int64_t n_whole = avx2_chunks(step), n_last = avx2_chunks(last_rows);                                    \
+        int64_t n_whole = avx2_chunks(step, mr), n_last = avx2_chunks(last_rows, mr);                            \
         int64_t whole_bounds[AVX2_MR + 2], last_bounds[AVX2_MR + 2];                                             \
         for (int64_t c = 0; c <= n_whole; c++) whole_bounds[c] = step * c / n_whole;                             \
         for (int64_t c = 0; c <= n_last; c++) last_bounds[c] = last_rows * c / n_last;                           \
