@@ -2063,13 +2063,15 @@ static inline double avx2_pass_cost(int64_t M, int64_t mr) {
     }
     return cost;
 }
-/* Rows per chunk of a decode pass (up to DECODE_ROWS rows, not the gate_up pairs, whose groups are two panels):
- * 2-row chunks over 3 panels where the model says they beat the 3-row chunks over 2, which leave 2-row chunks
- * over 2 panels (8 accumulators) wherever the rows do not split into threes. At 16 rows (2 + 3 + 3 twice
- * against 2 x 4 twice) the packed linear took 0.96-0.97 of the time over smollm2's shapes, at 12 rows 0.925,
- * 8 rows 0.98 (the lm_head 0.93), 9 and 10 rows 0.94-0.97; at 5, 6, 11, 13 and 14 rows the model keeps threes
- * (2-row chunks there: 1.00-1.10). The fused step at batch 16 (bench/decode_ab.py): context 128 0.987, context
- * 512 1.002, where the attention's KV reads set the pace. The same sums in the same order: the same bits. */
+/* Rows per chunk of a float32 decode pass (up to DECODE_ROWS rows, not the gate_up pairs, whose groups are two
+ * panels): 2-row chunks over 3 panels where the model says they beat the 3-row chunks over 2, which leave
+ * 2-row chunks over 2 panels (8 accumulators) wherever the rows do not split into threes. At 16 rows (2 + 3 +
+ * 3 twice against 2 x 4 twice) the packed linear took 0.96-0.97 of the time over smollm2's shapes, at 12 rows
+ * 0.925, 8 rows 0.98 (the lm_head 0.93), 9 and 10 rows 0.94-0.97; at 5, 6, 11, 13 and 14 rows the model keeps
+ * threes (2-row chunks there: 1.00-1.10). The fused step at batch 16 (bench/decode_ab.py): context 128 0.987,
+ * context 512 1.002, where the attention's KV reads set the pace. The same sums in the same order: the same
+ * bits. Not for bfloat16 weights: there each of the 3 panels' loads also widens its values, and 2-row chunks
+ * took 1.03-1.14x the time at 8-16 rows. */
 static inline int64_t avx2_decode_mr(int64_t M) {
     return avx2_pass_cost(M, 2) < avx2_pass_cost(M, AVX2_MR) ? 2 : AVX2_MR;
 }
@@ -2174,7 +2176,8 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
         int last_cols = N % PANEL ? (int)(N % PANEL) : PANEL;                                                    \
         int64_t step = M <= ROW_TILE ? M : ROW_TILE; /* rows per tile of the packed input */                     \
         int across = M > DECODE_ROWS; /* chunks across row tiles (avx2_row_chunks) */                            \
-        int64_t mr = across || pair_half ? AVX2_MR : avx2_decode_mr(M); /* rows per chunk at most */             \
+        /* rows per chunk at most */                                                                             \
+        int64_t mr = across || pair_half || sizeof(T) != sizeof(float) ? AVX2_MR : avx2_decode_mr(M);            \
         int np = pair_half ? 2 : avx2_panels_per_group(M, mr);                                                   \
         int64_t groups = pair_half ? pair_half : (panels + np - 1) / np;                                         \
         int64_t ld = pair_half ? 2 * PANEL : N, panel_stride = pair_half ? pair_half * panel_len : panel_len;    \
