@@ -142,8 +142,17 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
 
 #define DECODE_TILE 128 /* the AVX-512 task's (tuned on the Xeon) */
 /* The AVX2 task's tile, with decode_prefetch: 32 against 64 0.965 (attention alone over 30 cold layers at batch
- * 16, context 512, one process); 16 and 128 were slower (1.19, 1.08). */
+ * 16, context 512, one process); 16 and 128 were slower (1.19, 1.08). With the dim-64 blocks (rows in address
+ * order), a task of DECODE_TILE_AVX2_LONG_MIN positions or more goes in tiles of 64 (fewer prefetch restarts): the
+ * fused step at batch 16, context 512 took 0.979 of the time (bench/decode_ab.py, quartiles 0.961 / 0.999, same
+ * bits); tiles of 64 for every task gave 1.013 at context 128, where a task's first tile, which nothing
+ * prefetched, is a larger share (with the threshold 0.997). */
 #define DECODE_TILE_AVX2 32
+#define DECODE_TILE_AVX2_LONG 64
+#define DECODE_TILE_AVX2_LONG_MIN 512
+static inline int64_t decode_tile_avx2(int64_t n) {
+    return n >= DECODE_TILE_AVX2_LONG_MIN ? DECODE_TILE_AVX2_LONG : DECODE_TILE_AVX2;
+}
 /* The AVX-512 task's first query head of each KV group prefetches its K (then V) rows this many positions ahead
  * into L2: blocks sit at random addresses, so the hardware prefetcher restarts at every block (10-20% faster from
  * memory). */
@@ -162,7 +171,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     typedef struct {                                                                                             \
         const T *base;                                                                                           \
         const int64_t *rows;                                                                                     \
-        int64_t step, at, dim;                                                                                   \
+        int64_t step, at, dim, tile; /* tile: the task's (decode_tile_avx2) */                                   \
     } decode_prefetch_##SUF;                                                                                     \
     static inline void decode_prefetch_next_##SUF(decode_prefetch_##SUF *pf) {                                   \
         for (int64_t r = (pf->at * pf->step) >> 16, r1 = ((pf->at + 1) * pf->step) >> 16; r < r1; r++)           \
@@ -175,11 +184,11 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
                                                   const int64_t *kv_rows, int64_t n, int64_t nkv,                \
                                                   int64_t head_stride, int64_t t, int64_t h, int v,              \
                                                   int64_t iters) {                                               \
-        int64_t tiles = (n + DECODE_TILE_AVX2 - 1) / DECODE_TILE_AVX2, rows = 0;                                 \
+        int64_t tile = pf->tile, tiles = (n + tile - 1) / tile, rows = 0;                                        \
         if (++h == nkv) h = 0, t++;                                                                              \
         if (t == tiles) t = 0, v++;                                                                              \
-        int64_t t0 = t * DECODE_TILE_AVX2;                                                                       \
-        if (v < 2) rows = n - t0 < DECODE_TILE_AVX2 ? n - t0 : DECODE_TILE_AVX2;                                 \
+        int64_t t0 = t * tile;                                                                                   \
+        if (v < 2) rows = n - t0 < tile ? n - t0 : tile;                                                         \
         pf->base = (v ? v_cache : k_cache) + h * head_stride;                                                    \
         pf->rows = kv_rows + t0;                                                                                 \
         pf->step = iters ? (rows << 16) / iters : 0;                                                             \
@@ -285,7 +294,7 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
         _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, r[c]);                 \
     }
 /* One decode task (a sequence's KV heads, or one of them), head_dim a multiple of 8; query head g reads KV head
- * g / head_group. Positions go in tiles of DECODE_TILE_AVX2, and each tile serves every query head while its K
+ * g / head_group. Positions go in tiles (decode_tile_avx2), and each tile serves every query head while its K
  * (then V) rows are in cache, so a long context is read from memory once, not once per head; at head size 64
  * each query head goes through the tile alone (the dim-64 blocks: rows in address order), at other sizes the
  * query heads of a KV head go through the GQA blocks together, up to three at a time (a 128-wide query does not
@@ -307,15 +316,16 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
         float maxs[group], sums[group];                                                                          \
         __m128 vmax[group];                                                                                      \
         int64_t nkv = group / head_group, blocks = (head_group + 2) / 3; /* GQA blocks per KV head */            \
-        decode_prefetch_##SUF pf = {.dim = dim};                                                                 \
+        int64_t tile = dim == 64 ? decode_tile_avx2(n) : DECODE_TILE_AVX2;                                       \
+        decode_prefetch_##SUF pf = {.dim = dim, .tile = tile};                                                   \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY, vmax[g] = _mm_set1_ps(-INFINITY);               \
-        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
-            int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
+        for (int64_t t0 = 0; t0 < n; t0 += tile) {                                                               \
+            int64_t t1 = t0 + tile < n ? t0 + tile : n;                                                          \
             for (int64_t h = 0; h < nkv; h++) { /* a unit: its loop iterations, four positions or one each */    \
                 int64_t iters = dim == 64 ? head_group * (t1 - t0) /* one per position of each query head */     \
                                           : blocks * ((t1 - t0) / 4 * ((dim + 15) / 16) + (t1 - t0) % 4);        \
                 decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride,                  \
-                                           t0 / DECODE_TILE_AVX2, h, 0, iters);                                  \
+                                           t0 / tile, h, 0, iters);                                              \
                 const T *kc = k_cache + h * head_stride;                                                         \
                 if (dim == 64) {                                                                                 \
                     for (int64_t g = h * head_group; g < (h + 1) * head_group; g++)                              \
@@ -375,12 +385,12 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
         }                                                                                                        \
         memset(acc, 0, sizeof(float) * group * dim);                                                             \
         int64_t slices = (dim + 31) / 32; /* 32 dims at a time; the last dims, fewer than 32, eight at a time */ \
-        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE_AVX2) {                                                   \
-            int64_t t1 = t0 + DECODE_TILE_AVX2 < n ? t0 + DECODE_TILE_AVX2 : n;                                  \
+        for (int64_t t0 = 0; t0 < n; t0 += tile) {                                                               \
+            int64_t t1 = t0 + tile < n ? t0 + tile : n;                                                          \
             for (int64_t h = 0; h < nkv; h++) { /* a unit: one iteration per position and slice */               \
                 int64_t iters = dim == 64 ? head_group * (t1 - t0) : blocks * (t1 - t0) * slices;                \
                 decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride,                  \
-                                           t0 / DECODE_TILE_AVX2, h, 1, iters);                                  \
+                                           t0 / tile, h, 1, iters);                                              \
                 const T *vc = v_cache + h * head_stride;                                                         \
                 if (dim == 64) {                                                                                 \
                     for (int64_t g = h * head_group; g < (h + 1) * head_group; g++)                              \

@@ -257,6 +257,28 @@ def test_few_long_sequences_split_their_positions_across_the_threads(native: Nat
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_long_sequences_whole_in_their_tasks_give_the_reference(native: NativeCPUOps, dtype: torch.dtype) -> None:
+    """Four sequences on 2 threads, each in one task: at head size 64 tasks of 512 positions or more go in longer
+    tiles (decode_tile_avx2), with a last partial tile (513, 1025, and 700 under the window) and short ones."""
+    gen = torch.Generator().manual_seed(512)
+    num_blocks, block_size, num_heads, num_kv_heads, head_dim = 300, 16, 9, 3, 64
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seq_lens = torch.tensor([1025, 513, 512, 70])
+        q = (torch.randn(4, num_heads, head_dim, generator=gen) * 2).to(dtype)
+        block_tables = torch.randperm(num_blocks, generator=gen)[: 4 * 65].view(4, 65)
+        for window in (None, 700):
+            args = (q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5, window)
+            out, reference = native.paged_decode_attention(*args), attention.paged_decode_attention(*args)
+            assert_decode_close(out, reference)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (10, 2), (12, 2), (14, 2), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_decode_attention_gqa_group_sizes(native: NativeCPUOps, dtype: torch.dtype, num_heads: int,
