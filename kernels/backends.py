@@ -68,8 +68,8 @@ def npu_ops() -> KernelOps:
 def cpu_ops() -> KernelOps:
     """The native CPU kernels (``kernels/cpu``) for everything but ``rotary_cos_sin``; the projections over packed
     weights, all layers of a decode step in one call, and float32 prefill attention only on AVX2 and AVX-512 CPUs
-    (BLAS and SDPA otherwise; bfloat16 projections of many rows go to oneDNN where the CPU has AMX); the torch
-    reference when the library cannot be built. Attention keeps the reference's store/decode/prefill composition,
+    (BLAS and SDPA otherwise; bfloat16 projections of many rows go to oneDNN where the CPU has AMX or is an AMD one
+    with AVX512_BF16); the torch reference when the library cannot be built. Attention keeps the reference's store/decode/prefill composition,
     with native parts, so perf mode still times the two halves apart."""
     from kernels.cpu import load_library
 
@@ -78,11 +78,15 @@ def cpu_ops() -> KernelOps:
         from kernels.dispatch import TORCH_OPS
 
         return TORCH_OPS
-    from kernels.cpu.ops import AMX_MIN_ROWS, AMX_PREFILL_QUERY_CHUNK, NativeCPUOps, amx_bf16_available
+    from kernels.cpu.ops import (
+        AMX_PREFILL_QUERY_CHUNK,
+        NativeCPUOps,
+        amx_bf16_available,
+        bf16_onednn_min_rows,
+    )
 
-    amx = amx_bf16_available()
-    native = NativeCPUOps(library, bf16_blas_min_rows=AMX_MIN_ROWS if amx else None,
-                          bf16_prefill_query_chunk=AMX_PREFILL_QUERY_CHUNK if amx else None)
+    native = NativeCPUOps(library, bf16_blas_min_rows=bf16_onednn_min_rows(),
+                          bf16_prefill_query_chunk=AMX_PREFILL_QUERY_CHUNK if amx_bf16_available() else None)
     projections: dict[str, Callable] = dict.fromkeys(
         ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down", "lm_head"), native.linear
     )

@@ -36,10 +36,44 @@ AMX_MIN_ROWS = 32
 AMX_PREFILL_QUERY_CHUNK = 256
 
 
+# The same route on AMD CPUs with AVX512_BF16 (Zen 4 and later) from this many rows: oneDNN's ``vdpbf16ps`` matmuls
+# ran 375 GFLOP/s on a Zen 4 EPYC's two cores where the native kernel ran 213, so with the unpacking they took
+# 0.51-0.57 of its time at 512 rows for every smollm2 projection, 0.62-0.85 at 128, and at 64 lost for the down
+# projection and the lm_head (1.20x, 1.14x) while winning for the others (bench/README.md, "bfloat16 on Zen 4").
+# Not on Intel's AVX-512 Xeons without AMX: there the native kernel prefilled 1.42x faster than ``transformers``'
+# oneDNN bfloat16, so oneDNN's matmul was the slower of the two.
+AVX512_BF16_MIN_ROWS = 128
+
+
 def amx_bf16_available() -> bool:
     """Whether this CPU (and OS) runs AMX bfloat16 tiles, which torch's oneDNN matmuls then use."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe() and torch.backends.mkldnn.is_available())
+
+
+def amd_avx512_bf16_available() -> bool:
+    """Whether this is an AMD CPU whose AVX512_BF16 instructions torch's oneDNN matmuls use (Zen 4 and later)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe is not None and probe() and torch.backends.mkldnn.is_available()
+                and _cpu_vendor() == "AuthenticAMD")
+
+
+def bf16_onednn_min_rows() -> int | None:
+    """From how many rows a bfloat16 matmul over a packed weight is faster through oneDNN on this CPU; None: never."""
+    if amx_bf16_available():
+        return AMX_MIN_ROWS
+    return AVX512_BF16_MIN_ROWS if amd_avx512_bf16_available() else None
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 @attrs.frozen
@@ -88,7 +122,7 @@ class NativeCPUOps:
     def __init__(self, library: ctypes.CDLL, bf16_blas_min_rows: int | None = None,
                  bf16_prefill_query_chunk: int | None = None) -> None:
         """``bf16_blas_min_rows``: bfloat16 matmuls over packed weights with at least this many rows go to torch's
-        matmul (``cpu_ops`` sets ``AMX_MIN_ROWS`` on AMX CPUs); None: never. ``bf16_prefill_query_chunk``: the
+        matmul (``cpu_ops`` sets ``bf16_onednn_min_rows()``); None: never. ``bf16_prefill_query_chunk``: the
         queries per SDPA call of a bfloat16 prefill (``cpu_ops`` sets ``AMX_PREFILL_QUERY_CHUNK`` on AMX CPUs);
         None: the reference's."""
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")

@@ -19,9 +19,12 @@ from kernels.cpu.build import LEVELS, cpu_level
 from kernels.cpu.ops import (
     AMX_MIN_ROWS,
     AMX_PREFILL_QUERY_CHUNK,
+    AVX512_BF16_MIN_ROWS,
     NativeCPUOps,
     _cache_layout,
+    _cpu_vendor,
     amx_bf16_available,
+    bf16_onednn_min_rows,
 )
 from kernels.cpu.packed import PackedWeight, dense_weight
 from ksana.models import load_model
@@ -558,11 +561,31 @@ def test_bfloat16_projections_of_many_rows_go_to_torch_matmul(with_bias: bool) -
     assert blas._scratch.buffer.dtype == torch.bfloat16
 
 
-def test_cpu_dispatch_sends_many_bfloat16_rows_to_onednn_exactly_on_amx() -> None:
+def test_cpu_dispatch_sends_many_bfloat16_rows_to_onednn_from_this_cpus_threshold() -> None:
     projection = cpu_ops().qkv_proj
     if projection is F.linear:  # no packed weights on this CPU
         return
-    assert projection.__self__.bf16_blas_min_rows == (AMX_MIN_ROWS if amx_bf16_available() else None)
+    assert projection.__self__.bf16_blas_min_rows == bf16_onednn_min_rows()
+
+
+@pytest.mark.parametrize(("amx", "avx512_bf16", "vendor", "expected"), [
+    (True, True, "GenuineIntel", AMX_MIN_ROWS),
+    (False, True, "AuthenticAMD", AVX512_BF16_MIN_ROWS),
+    (False, True, "GenuineIntel", None),  # an AVX-512 Xeon without AMX: the native kernel was the faster
+    (False, False, "AuthenticAMD", None),  # AVX2 only (Zen 2, Zen 3)
+])
+def test_onednn_bfloat16_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool,
+                                                   vendor: str, expected: int | None) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr("kernels.cpu.ops._cpu_vendor", lambda: vendor)
+    assert bf16_onednn_min_rows() == (expected if torch.backends.mkldnn.is_available() else None)
+
+
+def test_cpu_vendor_is_read_from_cpuinfo() -> None:
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+        vendors = {line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")}
+    assert _cpu_vendor() in vendors
 
 
 def test_plain_weights_and_other_dtypes_stay_with_blas(native: NativeCPUOps) -> None:
