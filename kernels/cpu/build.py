@@ -141,6 +141,9 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
             fn = getattr(library, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
     library.linear_available.argtypes, library.linear_available.restype = (), _int
+    if hasattr(library, "set_packed_prefetch_min_rows"):  # not in older sources that decode_ab.py may build
+        library.set_packed_prefetch_min_rows.argtypes = (_int,)
+        library.set_packed_prefetch_min_rows.restype = _int
     library.greedy_logprobs.argtypes = (_ptr, _i64, _i64, _ptr, _ptr, _int)  # float32 logits only
     library.greedy_logprobs.restype = None
     if hasattr(library, "unpack_weight_f32"):  # AVX2 and AVX-512 builds of current sources only

@@ -1421,6 +1421,18 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  * same panels (see DEFINE_PACKED_TILE_AVX2). `linear_available` tells Python; other CPUs keep torch's layout and
  * BLAS.
  */
+/* From how many input rows the AVX-512 packed tiles prefetch their weight panels in software; below it they leave
+ * the panels' streams to the hardware prefetchers. Python sets it per CPU (packed_prefetch_min_rows in
+ * kernels/cpu/ops.py): on a Zen 4 EPYC the batch-1 decode step took 0.83-0.98 of the time without the software
+ * prefetches (median 0.93), batches 2-4 0.92-0.95, and 8 and 16 rows 1.03-1.10x (bench/decode_ab.py). Process-
+ * wide, like the library; the prefetches move no value, so either setting gives the same bits. */
+static int packed_prefetch_min_rows = 1;
+int set_packed_prefetch_min_rows(int rows) { /* the previous setting */
+    int previous = packed_prefetch_min_rows;
+    packed_prefetch_min_rows = rows;
+    return previous;
+}
+
 #if defined(KSANA_AVX512) || defined(KSANA_AVX2)
 #include <immintrin.h>
 #include <omp.h>
@@ -1565,12 +1577,13 @@ DEFINE_PANEL_STORE(bf16, bf16_t)
         __m512 acc[MR][NP];                                                                                      \
         _Pragma("GCC unroll 16") for (int m = 0; m < MR; m++)                                                    \
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) acc[m][p] = _mm512_setzero_ps();                \
+        const int fetch = prefetch && MR >= packed_prefetch_min_rows;                                            \
         for (int64_t k = 0; k < K; k++) {                                                                        \
             __m512 b[NP];                                                                                        \
             _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                               \
                 const T *wk = w + p * panel_len + k * PANEL;                                                     \
                 b[p] = w16_##SUF(wk);                                                                            \
-                if (prefetch) {                                                                                  \
+                if (fetch) {                                                                                     \
                     _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L1), _MM_HINT_T0);                          \
                     _mm_prefetch((const char *)(wk + PACKED_PREFETCH_L2), _MM_HINT_T1);                          \
                 }                                                                                                \

@@ -45,6 +45,20 @@ AMX_PREFILL_QUERY_CHUNK = 256
 AVX512_BF16_MIN_ROWS = 128
 
 
+# The AVX-512 packed linear's tiles of fewer input rows than this leave their weight streams to the hardware
+# prefetchers on AMD CPUs. On a Zen 4 EPYC without the software prefetches (bench/decode_ab.py, same bits): the
+# batch-1 decode step took 0.83-0.98 of the time over nine runs on two days (median 0.93; contexts 128 and 512),
+# batches 2, 3 and 4 0.93, 0.92 and 0.95, batch 6 1.00, while batch 8 took 1.03x and batch 16 1.10x. Intel's
+# Xeons keep them at every row count (where they were tuned; not re-measured without them). AVX2 builds have
+# their own tiles, which this does not touch.
+AMD_PACKED_PREFETCH_MIN_ROWS = 5
+
+
+def packed_prefetch_min_rows() -> int:
+    """From how many input rows the packed linear's tiles prefetch their weights in software on this CPU."""
+    return AMD_PACKED_PREFETCH_MIN_ROWS if _cpu_vendor() == "AuthenticAMD" else 1
+
+
 def amx_bf16_available() -> bool:
     """Whether this CPU (and OS) runs AMX bfloat16 tiles, which torch's oneDNN matmuls then use."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -120,14 +134,19 @@ class NativeCPUOps:
     """Bound kernels of one loaded library; methods mirror the torch reference functions."""
 
     def __init__(self, library: ctypes.CDLL, bf16_blas_min_rows: int | None = None,
-                 bf16_prefill_query_chunk: int | None = None) -> None:
+                 bf16_prefill_query_chunk: int | None = None, prefetch_min_rows: int | None = None) -> None:
         """``bf16_blas_min_rows``: bfloat16 matmuls over packed weights with at least this many rows go to torch's
         matmul (``cpu_ops`` sets ``bf16_onednn_min_rows()``); None: never. ``bf16_prefill_query_chunk``: the
         queries per SDPA call of a bfloat16 prefill (``cpu_ops`` sets ``AMX_PREFILL_QUERY_CHUNK`` on AMX CPUs);
-        None: the reference's."""
+        None: the reference's. ``prefetch_min_rows``: from how many input rows the packed linear prefetches
+        its weights in software, set in the library, so for every user of it in this process; None: this CPU's
+        (``packed_prefetch_min_rows()``)."""
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
+        if hasattr(library, "set_packed_prefetch_min_rows"):
+            rows = packed_prefetch_min_rows() if prefetch_min_rows is None else prefetch_min_rows
+            library.set_packed_prefetch_min_rows(rows)
         self._unpack = {dtype: getattr(library, f"unpack_weight_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
                         if hasattr(library, f"unpack_weight_{suffix}")}
         self.bf16_blas_min_rows = bf16_blas_min_rows if torch.bfloat16 in self._unpack else None

@@ -17,6 +17,7 @@ from kernels.backends import cpu_ops
 from kernels.cpu import load_library
 from kernels.cpu.build import LEVELS, cpu_level
 from kernels.cpu.ops import (
+    AMD_PACKED_PREFETCH_MIN_ROWS,
     AMX_MIN_ROWS,
     AMX_PREFILL_QUERY_CHUNK,
     AVX512_BF16_MIN_ROWS,
@@ -25,6 +26,7 @@ from kernels.cpu.ops import (
     _cpu_vendor,
     amx_bf16_available,
     bf16_onednn_min_rows,
+    packed_prefetch_min_rows,
 )
 from kernels.cpu.packed import PackedWeight, dense_weight
 from ksana.models import load_model
@@ -580,6 +582,66 @@ def test_onednn_bfloat16_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     monkeypatch.setattr("kernels.cpu.ops._cpu_vendor", lambda: vendor)
     assert bf16_onednn_min_rows() == (expected if torch.backends.mkldnn.is_available() else None)
+
+
+@pytest.mark.parametrize(("vendor", "expected"), [("AuthenticAMD", AMD_PACKED_PREFETCH_MIN_ROWS),
+                                                ("GenuineIntel", 1), ("", 1)])
+def test_packed_prefetch_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, vendor: str,
+                                                   expected: int) -> None:
+    monkeypatch.setattr("kernels.cpu.ops._cpu_vendor", lambda: vendor)
+    assert packed_prefetch_min_rows() == expected
+
+
+def test_native_ops_set_the_libraries_prefetch_threshold() -> None:
+    library = load_library()
+    original = library.set_packed_prefetch_min_rows(1)
+    try:
+        NativeCPUOps(library, prefetch_min_rows=7)
+        assert library.set_packed_prefetch_min_rows(1) == 7
+        NativeCPUOps(library)  # this CPU's
+        assert library.set_packed_prefetch_min_rows(1) == packed_prefetch_min_rows()
+    finally:
+        library.set_packed_prefetch_min_rows(original)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_gives_the_same_bits_with_and_without_software_prefetch(native: NativeCPUOps,
+                                                                             dtype: torch.dtype) -> None:
+    """Prefetching only moves weights into the caches earlier: every row count, with the tiles of fewer rows than
+    the threshold left to the hardware prefetchers (17: all of them), gives what the prefetching tiles give."""
+    torch.manual_seed(5)
+    weight = (torch.randn(200, 96) / 96**0.5).to(dtype)
+    bias = torch.randn(200).to(dtype)
+    packed = native.pack_weight(weight)
+    x = torch.randn(20, 96).to(dtype)
+    library = load_library()
+    original = library.set_packed_prefetch_min_rows(1)
+    try:
+        prefetching = [native.linear(x[:rows], packed, bias) for rows in range(1, 21)]
+        library.set_packed_prefetch_min_rows(17)
+        for rows, expected in enumerate(prefetching, start=1):
+            assert torch.equal(native.linear(x[:rows], packed, bias), expected), rows
+    finally:
+        library.set_packed_prefetch_min_rows(original)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_decode_layers_give_the_same_bits_without_software_prefetch(native: NativeCPUOps, tmp_path,
+                                                                         dtype: torch.dtype) -> None:
+    """The fused step's tiles (gate-up-SwiGLU's pairs of panels too) at 1-4 rows, prefetching and not."""
+    model_dir = make_checkpoint(tmp_path, "llama")
+    library = load_library()
+    original = library.set_packed_prefetch_min_rows(1)
+    try:
+        for lengths in [(5,), (5, 9), (5, 9, 3), (5, 9, 3, 12)]:  # a decode row per sequence
+            library.set_packed_prefetch_min_rows(1)
+            prefetching = _decode_steps(load_model(model_dir, dtype=dtype), True, dtype, lengths=lengths)
+            library.set_packed_prefetch_min_rows(17)
+            plain = _decode_steps(load_model(model_dir, dtype=dtype), True, dtype, lengths=lengths)
+            for a, b in zip(prefetching[0] + prefetching[1], plain[0] + plain[1], strict=True):
+                assert torch.equal(a, b), lengths
+    finally:
+        library.set_packed_prefetch_min_rows(original)
 
 
 def test_cpu_vendor_is_read_from_cpuinfo() -> None:
