@@ -47,8 +47,8 @@ AVX512_BF16_MIN_ROWS = 128
 
 # The AVX-512 packed linear's tiles of fewer input rows than this leave their weight streams to the hardware
 # prefetchers on AMD CPUs. On a Zen 4 EPYC without the software prefetches (bench/decode_ab.py, same bits): the
-# batch-1 decode step took 0.83-0.98 of the time over nine runs on two days (median 0.93; contexts 128 and 512),
-# batches 2, 3 and 4 0.93, 0.92 and 0.95, batch 6 1.00, while batch 8 took 1.03x and batch 16 1.10x. Intel's
+# batch-1 decode step took 0.83-0.98 of the time over nine runs in two sessions (median 0.93; contexts 128 and
+# 512), batches 2-4 0.89-0.95, batch 6 1.00, while batch 8 took 1.03x and batch 16 1.10x. Intel's
 # Xeons keep them at every row count (where they were tuned; not re-measured without them). AVX2 builds have
 # their own tiles, which this does not touch.
 AMD_PACKED_PREFETCH_MIN_ROWS = 5

@@ -630,6 +630,7 @@ def test_fused_decode_layers_give_the_same_bits_without_software_prefetch(native
                                                                          dtype: torch.dtype) -> None:
     """The fused step's tiles (gate-up-SwiGLU's pairs of panels too) at 1-4 rows, prefetching and not."""
     model_dir = make_checkpoint(tmp_path, "llama")
+    cpu_ops()  # the models' ops, which set this CPU's threshold once, made before the settings below
     library = load_library()
     original = library.set_packed_prefetch_min_rows(1)
     try:
