@@ -1423,9 +1423,8 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  */
 /* From how many input rows the AVX-512 packed tiles prefetch their weight panels in software; below it they leave
  * the panels' streams to the hardware prefetchers. Python sets it per CPU (packed_prefetch_min_rows in
- * kernels/cpu/ops.py): on a Zen 4 EPYC the batch-1 decode step took 0.83-0.98 of the time without the software
- * prefetches (median 0.93), batches 2-4 0.89-0.95, and 8 and 16 rows 1.03-1.10x (bench/decode_ab.py). Process-
- * wide, like the library; the prefetches move no value, so either setting gives the same bits. */
+ * kernels/cpu/ops.py, with the measurements). Process-wide, like the library; the prefetches move no value, so
+ * either setting gives the same bits. */
 static int packed_prefetch_min_rows = 1;
 int set_packed_prefetch_min_rows(int rows) { /* the previous setting */
     int previous = packed_prefetch_min_rows;
