@@ -140,7 +140,10 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-#define DECODE_TILE 128 /* the AVX-512 task's (tuned on the Xeon) */
+/* The AVX-512 task's tile, with decode_prefetch: 128 positions against 32 1.05 of the attention over 30 cold layers
+ * at batch 16, context 512 on the Zen 4 EPYC (bench/attention_ab.py); 64 against 32 1.01 of the fused step there,
+ * 1.00 at batch 1 (bench/decode_ab.py), where a task's first tile, which nothing prefetches, is a larger share. */
+#define DECODE_TILE 32
 /* The AVX2 task's tile, with decode_prefetch: 32 against 64 0.965 (attention alone over 30 cold layers at batch
  * 16, context 512, one process); 16 and 128 were slower (1.19, 1.08). With the dim-64 blocks (rows in address
  * order), a task of DECODE_TILE_AVX2_LONG_MIN positions or more goes in tiles of 64 (fewer prefetch restarts): the
@@ -153,25 +156,20 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
 static inline int64_t decode_tile_avx2(int64_t n) {
     return n >= DECODE_TILE_AVX2_LONG_MIN ? DECODE_TILE_AVX2_LONG : DECODE_TILE_AVX2;
 }
-/* The AVX-512 task's first query head of each KV group prefetches its K (then V) rows this many positions ahead
- * into L2: blocks sit at random addresses, so the hardware prefetcher restarts at every block (10-20% faster from
- * memory). */
-#define DECODE_PREFETCH 16
-/* The AVX-512 task also fetches them this many positions ahead into L1: 0.98 of the step at batch 16, context 512,
- * 0.99 at context 128 (bench/decode_ab.py), as two distances did for the packed matmul's decode tiles. */
-#define DECODE_PREFETCH_NEAR 4
 /* A decode task's software prefetch. The task reads its rows in units of (tile, KV head), keys then values, and
  * while it computes on one unit it fetches the next into L2, a share of a row per loop iteration so that the
  * requests go out evenly over the unit's work (every pass over it, not only the first's). The hardware prefetcher
  * alone leaves the arithmetic waiting on its rows: without this, 1.33-1.43x a plain read of the same KV, with it
  * 1.23x (session 18's C harness). Against prefetching 16 positions ahead from the first query head only: 0.931 of
- * the step at batch 16, context 512, 0.974 at context 128 and at batch 1 (decode_ab.py).
- * `step`: rows per iteration, 16.16 fixed point. */
+ * the step at batch 16, context 512, 0.974 at context 128 and at batch 1 (decode_ab.py). The AVX-512 task against
+ * the same earlier scheme (with a second one 4 positions ahead into L1) on the Zen 4 EPYC: attention alone over 30
+ * cold layers 0.81 of the time at batch 16, context 512; the fused step 0.91 there, 0.94 in bfloat16, 0.95 at
+ * context 128, 0.99-1.00 at batch 1 (same bits). `step`: rows per iteration, 16.16 fixed point. */
 #define DEFINE_DECODE_PREFETCH(SUF, T)                                                                           \
     typedef struct {                                                                                             \
         const T *base;                                                                                           \
         const int64_t *rows;                                                                                     \
-        int64_t step, at, dim, tile; /* tile: the task's (decode_tile_avx2) */                                   \
+        int64_t step, at, dim, tile; /* tile: the task's (decode_tile_avx2; DECODE_TILE in AVX-512) */           \
     } decode_prefetch_##SUF;                                                                                     \
     static inline void decode_prefetch_next_##SUF(decode_prefetch_##SUF *pf) {                                   \
         for (int64_t r = (pf->at * pf->step) >> 16, r1 = ((pf->at + 1) * pf->step) >> 16; r < r1; r++)           \
@@ -480,12 +478,14 @@ static inline __m256 fold16(__m512 a) {
  * the QB accumulators, `chunks` of its 4 sixteen-lane chunks live (masked: head sizes 16, 48, 80, ...). */
 #define DEFINE_GQA_BLOCKS(SUF, T, QB)                                                                            \
     static inline void qk_block_##SUF##_##QB(const float *q, const T *kc, const int64_t *rows, int64_t dim,      \
-                                             float scale, float *s, int64_t n, __m128 *vmax) {                   \
+                                             float scale, float *s, int64_t n, __m128 *vmax,                     \
+                                             decode_prefetch_##SUF *pf) {                                        \
         const T *k0 = kc + rows[0], *k1 = kc + rows[1], *k2 = kc + rows[2], *k3 = kc + rows[3];                  \
         __m512 a[QB][4];                                                                                         \
         _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++)                                                     \
             a[b][0] = a[b][1] = a[b][2] = a[b][3] = _mm512_setzero_ps();                                         \
         for (int64_t d = 0; d < dim; d += 16) {                                                                  \
+            decode_prefetch_next_##SUF(pf);                                                                      \
             __m512 x0 = load16_##SUF(k0 + d), x1 = load16_##SUF(k1 + d);                                         \
             __m512 x2 = load16_##SUF(k2 + d), x3 = load16_##SUF(k3 + d);                                         \
             _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                               \
@@ -505,7 +505,7 @@ static inline __m256 fold16(__m512 a) {
     }                                                                                                            \
     static inline void pv_block_##SUF##_##QB(const float *s, int64_t n, const T *vc, const int64_t *kv_rows,     \
                                              int64_t j0, int64_t j1, int chunks, float *acc, int64_t dim,        \
-                                             int fetch) {                                                        \
+                                             decode_prefetch_##SUF *pf) {                                        \
         __mmask16 m[4];                                                                                          \
         for (int c = 0; c < 4; c++) m[c] = c < chunks ? (__mmask16)0xffff : 0;                                   \
         __m512 r[QB][4];                                                                                         \
@@ -513,11 +513,7 @@ static inline __m256 fold16(__m512 a) {
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)                                                  \
                 r[b][c] = _mm512_maskz_loadu_ps(m[c], acc + b * dim + 16 * c);                                   \
         for (int64_t j = j0; j < j1; j++) {                                                                      \
-            if (fetch && j + DECODE_PREFETCH < n)                                                                \
-                for (int64_t d = 0; d < 16 * chunks; d += 64 / (int64_t)sizeof(T)) {                             \
-                    _mm_prefetch((const char *)(vc + kv_rows[j + DECODE_PREFETCH] + d), _MM_HINT_T1);            \
-                    _mm_prefetch((const char *)(vc + kv_rows[j + DECODE_PREFETCH_NEAR] + d), _MM_HINT_T0);       \
-                }                                                                                                \
+            decode_prefetch_next_##SUF(pf);                                                                      \
             const T *v = vc + kv_rows[j];                                                                        \
             __m512 x0 = load16m_##SUF(v, m[0]), x1 = load16m_##SUF(v + 16, m[1]);                                \
             __m512 x2 = load16m_##SUF(v + 32, m[2]), x3 = load16m_##SUF(v + 48, m[3]);                           \
@@ -534,6 +530,9 @@ static inline __m256 fold16(__m512 a) {
                 _mm512_mask_storeu_ps(acc + b * dim + 16 * c, m[c], r[b][c]);                                    \
     }
 
+/* One decode task in AVX-512 (head_dim a multiple of 16): positions in tiles of DECODE_TILE, each tile's KV heads
+ * in turn, keys then values, and the query heads of a KV head through the GQA blocks, up to four at a time. While
+ * it computes on one (tile, KV head) unit it fetches the next into L2 (decode_prefetch, as the AVX2 task). */
 #define DEFINE_DECODE_AVX512(SUF, T)                                                                             \
     DEFINE_GQA_BLOCKS(SUF, T, 1)                                                                                 \
     DEFINE_GQA_BLOCKS(SUF, T, 2)                                                                                 \
@@ -546,43 +545,39 @@ static inline __m256 fold16(__m512 a) {
         float maxs[group], sums[group];                                                                          \
         __m128 vmax[group];                                                                                      \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY, vmax[g] = _mm_set1_ps(-INFINITY);               \
-        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
-            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
-            for (int64_t g0 = 0; g0 < group;) {                                                                  \
-                int64_t h = g0 / head_group, g_end = (h + 1) * head_group; /* heads g0.. share KV head h */      \
-                int qb = (int)(g_end - g0 < 4 ? g_end - g0 : 4);                                                 \
+        int64_t nkv = group / head_group, passes = (head_group + 3) / 4, slices = (dim + 63) / 64;               \
+        decode_prefetch_##SUF pf = {.dim = dim, .tile = DECODE_TILE};                                            \
+        for (int64_t t = 0, t0 = 0; t0 < n; t++, t0 += DECODE_TILE) {                                            \
+            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n, rows = t1 - t0;                            \
+            for (int64_t h = 0; h < nkv; h++) {                                                                  \
+                decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride, t, h, 0,         \
+                                           passes * (rows / 4 * (dim / 16) + rows % 4));                         \
                 const T *kc = k_cache + h * head_stride;                                                         \
-                const float *qg = qf + g0 * dim;                                                                 \
-                float *sg = scores + g0 * n;                                                                     \
-                int64_t i = t0;                                                                                  \
-                for (; i + 4 <= t1; i += 4) {                                                                    \
-                    if (g0 % head_group == 0 && i + DECODE_PREFETCH + 4 <= n) /* the KV head's first pass */     \
-                        for (int p = 0; p < 4; p++)                                                              \
-                            for (int64_t d = 0; d < dim; d += 64 / (int64_t)sizeof(T)) {                         \
-                                const T *row = kc + d;                                                           \
-                                _mm_prefetch((const char *)(row + kv_rows[i + DECODE_PREFETCH + p]),             \
-                                             _MM_HINT_T1);                                                       \
-                                _mm_prefetch((const char *)(row + kv_rows[i + DECODE_PREFETCH_NEAR + p]),        \
-                                             _MM_HINT_T0);                                                       \
-                            }                                                                                    \
-                    switch (qb) {                                                                                \
-                    case 1: qk_block_##SUF##_1(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
-                    case 2: qk_block_##SUF##_2(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
-                    case 3: qk_block_##SUF##_3(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;    \
-                    default: qk_block_##SUF##_4(qg, kc, kv_rows + i, dim, scale, sg + i, n, vmax + g0); break;   \
+                for (int64_t g0 = h * head_group, g_end = g0 + head_group; g0 < g_end;) {                        \
+                    int qb = (int)(g_end - g0 < 4 ? g_end - g0 : 4);                                             \
+                    const float *qg = qf + g0 * dim;                                                             \
+                    float *sg = scores + g0 * n;                                                                 \
+                    __m128 *vm = vmax + g0;                                                                      \
+                    int64_t i = t0;                                                                              \
+                    for (; i + 4 <= t1; i += 4) switch (qb) {                                                    \
+                        case 1: qk_block_##SUF##_1(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf); break;  \
+                        case 2: qk_block_##SUF##_2(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf); break;  \
+                        case 3: qk_block_##SUF##_3(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf); break;  \
+                        default: qk_block_##SUF##_4(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf);        \
+                        }                                                                                        \
+                    for (; i < t1; i++) {                                                                        \
+                        decode_prefetch_next_##SUF(&pf);                                                         \
+                        const T *k = kc + kv_rows[i];                                                            \
+                        for (int b = 0; b < qb; b++) {                                                           \
+                            __m512 a = _mm512_setzero_ps();                                                      \
+                            for (int64_t d = 0; d < dim; d += 16)                                                \
+                                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + b * dim + d), load16_##SUF(k + d), a);  \
+                            sg[b * n + i] = sum8(fold16(a)) * scale;                                             \
+                            if (sg[b * n + i] > maxs[g0 + b]) maxs[g0 + b] = sg[b * n + i];                      \
+                        }                                                                                        \
                     }                                                                                            \
+                    g0 += qb;                                                                                    \
                 }                                                                                                \
-                for (; i < t1; i++) {                                                                            \
-                    const T *k = kc + kv_rows[i];                                                                \
-                    for (int b = 0; b < qb; b++) {                                                               \
-                        __m512 a = _mm512_setzero_ps();                                                          \
-                        for (int64_t d = 0; d < dim; d += 16)                                                    \
-                            a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + b * dim + d), load16_##SUF(k + d), a);      \
-                        sg[b * n + i] = sum8(fold16(a)) * scale;                                                 \
-                        if (sg[b * n + i] > maxs[g0 + b]) maxs[g0 + b] = sg[b * n + i];                          \
-                    }                                                                                            \
-                }                                                                                                \
-                g0 += qb;                                                                                        \
             }                                                                                                    \
         }                                                                                                        \
         for (int64_t g = 0; g < group; g++) {                                                                    \
@@ -606,25 +601,28 @@ static inline __m256 fold16(__m512 a) {
             sums[g] = sum + _mm512_reduce_add_ps(vsum);                                                          \
         }                                                                                                        \
         memset(acc, 0, sizeof(float) * group * dim);                                                             \
-        for (int64_t t0 = 0; t0 < n; t0 += DECODE_TILE) {                                                        \
+        for (int64_t t = 0, t0 = 0; t0 < n; t++, t0 += DECODE_TILE) {                                            \
             int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
-            for (int64_t g0 = 0; g0 < group;) {                                                                  \
-                int64_t h = g0 / head_group, g_end = (h + 1) * head_group;                                       \
-                int qb = (int)(g_end - g0 < 4 ? g_end - g0 : 4);                                                 \
+            for (int64_t h = 0; h < nkv; h++) {                                                                  \
+                decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride, t, h, 1,         \
+                                           passes * slices * (t1 - t0));                                         \
                 const T *vc = v_cache + h * head_stride;                                                         \
-                for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                       \
-                    int chunks = (int)((dim - d0 < 64 ? dim - d0 : 64) / 16);                                    \
+                for (int64_t g0 = h * head_group, g_end = g0 + head_group; g0 < g_end;) {                        \
+                    int qb = (int)(g_end - g0 < 4 ? g_end - g0 : 4);                                             \
                     const float *sg = scores + g0 * n;                                                           \
-                    float *ag = acc + g0 * dim + d0;                                                             \
-                    int fetch = g0 % head_group == 0;                                                            \
-                    switch (qb) {                                                                                \
-                    case 1: pv_block_##SUF##_1(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break;  \
-                    case 2: pv_block_##SUF##_2(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break;  \
-                    case 3: pv_block_##SUF##_3(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break;  \
-                    default: pv_block_##SUF##_4(sg, n, vc + d0, kv_rows, t0, t1, chunks, ag, dim, fetch); break; \
+                    for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                   \
+                        int chunks = (int)((dim - d0 < 64 ? dim - d0 : 64) / 16);                                \
+                        float *ag = acc + g0 * dim + d0;                                                         \
+                        const T *vd = vc + d0;                                                                   \
+                        switch (qb) {                                                                            \
+                        case 1: pv_block_##SUF##_1(sg, n, vd, kv_rows, t0, t1, chunks, ag, dim, &pf); break;     \
+                        case 2: pv_block_##SUF##_2(sg, n, vd, kv_rows, t0, t1, chunks, ag, dim, &pf); break;     \
+                        case 3: pv_block_##SUF##_3(sg, n, vd, kv_rows, t0, t1, chunks, ag, dim, &pf); break;     \
+                        default: pv_block_##SUF##_4(sg, n, vd, kv_rows, t0, t1, chunks, ag, dim, &pf); break;    \
+                        }                                                                                        \
                     }                                                                                            \
+                    g0 += qb;                                                                                    \
                 }                                                                                                \
-                g0 += qb;                                                                                        \
             }                                                                                                    \
         }                                                                                                        \
         decode_finish_##SUF(acc, maxs, sums, group, dim, out, part);                                             \
