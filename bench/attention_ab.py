@@ -7,7 +7,8 @@ attention's own time shows within a minute; sessions 16-29 kept rewriting this h
 
 The caches are laid out as the engine allocates them (``KVCache.allocate(head_major=True)``: each layer its own K
 and V tensors on huge pages, blocks of 16 slots, each KV head's positions of a block together) and each sequence's
-blocks are placed at random. A round runs one pass of each build, the builds taking turns, and each pass calls the
+blocks are placed at random (``--placement in-order``: one after another, as a fresh engine allocates them, where
+a sequence's positions of one KV head lie in runs of a block with the other heads' between). A round runs one pass of each build, the builds taking turns, and each pass calls the
 attention once per layer over the whole batch; before each pass a buffer the size of a step's weights is
 written, so the KV comes from memory as it does in a step (``--hot``: one layer's cache for every call, so after
 the first it comes from cache, which shows the kernel's in-core cost). Each call also pays the op's way in from
@@ -68,11 +69,13 @@ class Settings:
     dtype: str = "float32"
     rounds: int = 15
     hot: bool = False
+    placement: str = "random"  # or "in-order": each sequence's blocks one after another, as a fresh engine's
     seed: int = 0
 
 
 def _cache(s: Settings, dtype: torch.dtype) -> tuple[KVCache, torch.Tensor]:
-    """The layers' head-major caches filled with noise, and a block table placing each sequence's blocks at random."""
+    """The layers' head-major caches filled with noise, and a block table placing each sequence's blocks at random
+    or in order (``s.placement``)."""
     per_seq = -(-s.context // s.block_size)
     num_blocks = s.batch * per_seq
     shape = ModelShape(model_type="llama", num_layers=1 if s.hot else s.layers, hidden_size=s.heads * s.head_dim,
@@ -84,7 +87,8 @@ def _cache(s: Settings, dtype: torch.dtype) -> tuple[KVCache, torch.Tensor]:
     for k, v in cache.layers:
         k.copy_(torch.randn(k.shape, generator=generator))
         v.copy_(torch.randn(v.shape, generator=generator))
-    table = torch.randperm(num_blocks, generator=generator).view(s.batch, per_seq).contiguous()
+    order = torch.arange(num_blocks) if s.placement == "in-order" else torch.randperm(num_blocks, generator=generator)
+    table = order.view(s.batch, per_seq).contiguous()
     return cache, table
 
 
@@ -151,7 +155,7 @@ def run_ab(s: Settings, builds: dict[str, NativeCPUOps] | None = None) -> dict[s
 def print_report(report: dict[str, Any]) -> None:
     s = report["settings"]
     where = "one layer's cache, from cache" if s["hot"] else f"{s['layers']} layers' caches, from memory"
-    print(f"\nbatch {s['batch']}, context {s['context']}, {s['dtype']}, {where}; "
+    print(f"\nbatch {s['batch']}, context {s['context']}, {s['dtype']}, {where}, blocks {s['placement']}; "
           f"{report['kv_bytes_a_pass'] / 1e6:.1f} MB of KV a pass, {report['threads']} threads")
     print(f"{'build':<6} {'ms a pass':>10} {'GB/s':>8} {'ns per position and KV head a thread':>38}  source")
     for name, b in report["builds"].items():
@@ -171,13 +175,15 @@ def main() -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype)
     parser.add_argument("--hot", action="store_true", help="one layer's cache for every call (from cache)")
+    parser.add_argument("--placement", choices=("random", "in-order"), default=defaults.placement,
+                        help="each sequence's blocks at random addresses, or one after another (a fresh engine)")
     parser.add_argument("--quick", action="store_true", help="batch 4, context 64, 2 layers, 3 rounds")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "attention_ab.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a_source = args.a or head_source(Path(tmp))
         fields = {f: getattr(args, f) for f in ("batch", "context", "layers", "heads", "kv_heads", "head_dim",
-                                                 "block_size", "rounds", "dtype", "hot")}
+                                                 "block_size", "rounds", "dtype", "hot", "placement")}
         if args.quick:
             fields.update(batch=4, context=64, layers=2, rounds=3)
         report = run_ab(Settings(a_source=a_source, b_source=args.b, **fields))

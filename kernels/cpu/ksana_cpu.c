@@ -140,10 +140,25 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* The AVX-512 task's tile, with decode_prefetch: 128 positions against 32 1.05 of the attention over 30 cold layers
- * at batch 16, context 512 on the Zen 4 EPYC (bench/attention_ab.py); 64 against 32 1.01 of the fused step there,
- * 1.00 at batch 1 (bench/decode_ab.py), where a task's first tile, which nothing prefetches, is a larger share. */
-#define DECODE_TILE 32
+/* The AVX-512 task's tiles. A task of several KV heads goes in tiles of one block of the engine's 16 slots: with the
+ * cache head-major a block's heads lie together, so the task reads them in turn, and blocks that follow one another
+ * in memory in address order. A task of one KV head (batches under twice the threads) reads one head's rows, which
+ * lie a block apart, and goes in tiles of 32: 128 against 32 1.05 of the attention over 30 cold layers at batch 16,
+ * context 512 on the Zen 4 EPYC (bench/attention_ab.py); 16 against 32 at batch 1 1.02-1.04 of the step
+ * (bench/decode_ab.py), where a task's first tile, which nothing prefetches, is a larger share. */
+#define DECODE_TILE 16
+#define DECODE_TILE_ONE_HEAD 32
+/* A unit (tile, KV head) that starts where the one before it ended, when the units before that did too, is left to
+ * the hardware prefetcher (decode_prefetch's leave_after), which streams memory read in address order faster than
+ * software prefetches fetch it: on the Zen 4 EPYC a plain read of each sequence's KV in order ran at 55 GB/s, with
+ * the blocks at random and each prefetched by software at 36 (a scratch C harness). Such a unit's keys are read row
+ * by row (qk_rows). A fresh engine places a sequence's blocks in order: against tiles of 32 with every unit
+ * prefetched, the attention took 0.94 of the time with the blocks in order (attention_ab.py --placement in-order),
+ * 1.01 at random, and the fused step 0.973-0.975 at batch 16, context 512, 1.00 at context 128 (same bits). */
+#define DECODE_STREAM_AFTER 2
+/* Tiles of 16 fetch two units ahead (one unit: 4 KiB at smollm2's head size): one ahead took 1.07x the attention
+ * of tiles of 32 with the blocks at random. */
+#define DECODE_PREFETCH_AHEAD 2
 /* The AVX2 task's tile, with decode_prefetch: 32 against 64 0.965 (attention alone over 30 cold layers at batch
  * 16, context 512, one process); 16 and 128 were slower (1.19, 1.08). With the dim-64 blocks (rows in address
  * order), a task of DECODE_TILE_AVX2_LONG_MIN positions or more goes in tiles of 64 (fewer prefetch restarts): the
@@ -169,7 +184,12 @@ static inline int64_t decode_tile_avx2(int64_t n) {
     typedef struct {                                                                                             \
         const T *base;                                                                                           \
         const int64_t *rows;                                                                                     \
-        int64_t step, at, dim, tile; /* tile: the task's (decode_tile_avx2; DECODE_TILE in AVX-512) */           \
+        int64_t step, at, dim, tile; /* tile: the task's (decode_tile_avx2; in AVX-512 DECODE_TILE's) */         \
+        int64_t leave_after; /* > 0: after this many units in a row that follow the one before in memory */      \
+                             /* the next such are left to the hardware */                                        \
+        int64_t run;         /* how many units in a row have followed the one before in memory */                \
+        int64_t ahead;       /* the target: this many units after the one computed on (0: the next) */           \
+        int streamed;        /* bit i: unit i + 1 from the one computed on is left to the hardware */            \
     } decode_prefetch_##SUF;                                                                                     \
     static inline void decode_prefetch_next_##SUF(decode_prefetch_##SUF *pf) {                                   \
         for (int64_t r = (pf->at * pf->step) >> 16, r1 = ((pf->at + 1) * pf->step) >> 16; r < r1; r++)           \
@@ -177,18 +197,31 @@ static inline int64_t decode_tile_avx2(int64_t n) {
                 _mm_prefetch((const char *)(pf->base + pf->rows[r] + d), _MM_HINT_T1);                           \
         pf->at++;                                                                                                \
     }                                                                                                            \
-    /* The unit after tile t's KV head h of pass v (0 keys, 1 values; none after the last), over `iters`. */     \
+    /* The unit `ahead` after tile t's KV head h of pass v (0 keys, 1 values; none after the last), over         \
+     * `iters`; none either where the hardware streams it (leave_after). */                                      \
     static inline void decode_prefetch_plan_##SUF(decode_prefetch_##SUF *pf, const T *k_cache, const T *v_cache, \
                                                   const int64_t *kv_rows, int64_t n, int64_t nkv,                \
                                                   int64_t head_stride, int64_t t, int64_t h, int v,              \
                                                   int64_t iters) {                                               \
         int64_t tile = pf->tile, tiles = (n + tile - 1) / tile, rows = 0;                                        \
-        if (++h == nkv) h = 0, t++;                                                                              \
-        if (t == tiles) t = 0, v++;                                                                              \
+        const T *end = NULL; /* where the unit before the target ends */                                         \
+        for (int64_t u = 0; u < (pf->ahead > 1 ? pf->ahead : 1) && v < 2; u++) {                                 \
+            int64_t last = (t + 1) * tile < n ? (t + 1) * tile - 1 : n - 1;                                      \
+            end = (v ? v_cache : k_cache) + h * head_stride + kv_rows[last] + pf->dim;                           \
+            if (++h == nkv) h = 0, t++;                                                                          \
+            if (t == tiles) t = 0, v++;                                                                          \
+        }                                                                                                        \
         int64_t t0 = t * tile;                                                                                   \
         if (v < 2) rows = n - t0 < tile ? n - t0 : tile;                                                         \
         pf->base = (v ? v_cache : k_cache) + h * head_stride;                                                    \
         pf->rows = kv_rows + t0;                                                                                 \
+        int streamed = 0;                                                                                        \
+        if (pf->leave_after && rows) {                                                                           \
+            pf->run = pf->base + pf->rows[0] == end ? pf->run + 1 : 0;                                           \
+            streamed = pf->run > pf->leave_after;                                                                \
+            rows = streamed ? 0 : rows;                                                                          \
+        }                                                                                                        \
+        pf->streamed = (pf->streamed >> 1) | streamed << ((pf->ahead > 1 ? pf->ahead : 1) - 1);                  \
         pf->step = iters ? (rows << 16) / iters : 0;                                                             \
         pf->at = 0;                                                                                              \
     }
@@ -503,6 +536,39 @@ static inline __m256 fold16(__m512 a) {
             vmax[b] = _mm_max_ps(vmax[b], sc);                                                                   \
         }                                                                                                        \
     }                                                                                                            \
+    /* qk's block with each of the 4 rows read whole before the next (the same sums in the same order), for      \
+     * a unit that the hardware prefetcher streams: it follows the ones before it in memory, and it streams      \
+     * only what is read in address order. */                                                                    \
+    static inline void qk_rows_##SUF##_##QB(const float *q, const T *kc, const int64_t *rows, int64_t dim,       \
+                                            float scale, float *s, int64_t n, __m128 *vmax,                      \
+                                            decode_prefetch_##SUF *pf) {                                         \
+        __m512 a[QB][4];                                                                                         \
+        _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++)                                                     \
+            a[b][0] = a[b][1] = a[b][2] = a[b][3] = _mm512_setzero_ps();                                         \
+        for (int64_t d0 = 0; d0 < dim; d0 += 64) {                                                               \
+            int chunks = (int)((dim - d0 < 64 ? dim - d0 : 64) / 16);                                            \
+            __m512 qv[QB][4];                                                                                    \
+            _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++)                                                 \
+                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)                                              \
+                    qv[b][c] = c < chunks ? _mm512_loadu_ps(q + b * dim + d0 + 16 * c) : _mm512_setzero_ps();    \
+            _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                                                \
+                const T *k = kc + rows[p] + d0;                                                                  \
+                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                            \
+                    if (c >= chunks) break;                                                                      \
+                    __m512 x = load16_##SUF(k + 16 * c);                                                         \
+                    _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++)                                         \
+                        a[b][p] = _mm512_fmadd_ps(qv[b][c], x, a[b][p]);                                         \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int64_t d = 0; d < dim; d += 16) decode_prefetch_next_##SUF(pf); /* keeps the unit's count */       \
+        _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                                   \
+            __m128 sc = _mm_mul_ps(sum4x8(fold16(a[b][0]), fold16(a[b][1]), fold16(a[b][2]), fold16(a[b][3])),   \
+                                   _mm_set1_ps(scale));                                                          \
+            _mm_storeu_ps(s + b * n, sc);                                                                        \
+            vmax[b] = _mm_max_ps(vmax[b], sc);                                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
     static inline void pv_block_##SUF##_##QB(const float *s, int64_t n, const T *vc, const int64_t *kv_rows,     \
                                              int64_t j0, int64_t j1, int chunks, float *acc, int64_t dim,        \
                                              decode_prefetch_##SUF *pf) {                                        \
@@ -530,9 +596,10 @@ static inline __m256 fold16(__m512 a) {
                 _mm512_mask_storeu_ps(acc + b * dim + 16 * c, m[c], r[b][c]);                                    \
     }
 
-/* One decode task in AVX-512 (head_dim a multiple of 16): positions in tiles of DECODE_TILE, each tile's KV heads
+/* One decode task in AVX-512 (head_dim a multiple of 16): positions in tiles (DECODE_TILE), each tile's KV heads
  * in turn, keys then values, and the query heads of a KV head through the GQA blocks, up to four at a time. While
- * it computes on one (tile, KV head) unit it fetches the next into L2 (decode_prefetch, as the AVX2 task). */
+ * it computes on one (tile, KV head) unit it fetches one ahead into L2 (decode_prefetch, as the AVX2 task), unless
+ * the hardware prefetcher streams it (DECODE_STREAM_AFTER). */
 #define DEFINE_DECODE_AVX512(SUF, T)                                                                             \
     DEFINE_GQA_BLOCKS(SUF, T, 1)                                                                                 \
     DEFINE_GQA_BLOCKS(SUF, T, 2)                                                                                 \
@@ -546,10 +613,13 @@ static inline __m256 fold16(__m512 a) {
         __m128 vmax[group];                                                                                      \
         for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY, vmax[g] = _mm_set1_ps(-INFINITY);               \
         int64_t nkv = group / head_group, passes = (head_group + 3) / 4, slices = (dim + 63) / 64;               \
-        decode_prefetch_##SUF pf = {.dim = dim, .tile = DECODE_TILE};                                            \
-        for (int64_t t = 0, t0 = 0; t0 < n; t++, t0 += DECODE_TILE) {                                            \
-            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n, rows = t1 - t0;                            \
+        int64_t tile = nkv > 1 ? DECODE_TILE : DECODE_TILE_ONE_HEAD;                                             \
+        decode_prefetch_##SUF pf = {.dim = dim, .tile = tile, .leave_after = DECODE_STREAM_AFTER,                \
+                                   .ahead = nkv > 1 ? DECODE_PREFETCH_AHEAD : 1};                                \
+        for (int64_t t = 0, t0 = 0; t0 < n; t++, t0 += tile) {                                                   \
+            int64_t t1 = t0 + tile < n ? t0 + tile : n, rows = t1 - t0;                                          \
             for (int64_t h = 0; h < nkv; h++) {                                                                  \
+                int streamed = pf.streamed & 1; /* this unit left to the hardware prefetcher: row by row */      \
                 decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride, t, h, 0,         \
                                            passes * (rows / 4 * (dim / 16) + rows % 4));                         \
                 const T *kc = k_cache + h * head_stride;                                                         \
@@ -559,12 +629,22 @@ static inline __m256 fold16(__m512 a) {
                     float *sg = scores + g0 * n;                                                                 \
                     __m128 *vm = vmax + g0;                                                                      \
                     int64_t i = t0;                                                                              \
-                    for (; i + 4 <= t1; i += 4) switch (qb) {                                                    \
-                        case 1: qk_block_##SUF##_1(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf); break;  \
-                        case 2: qk_block_##SUF##_2(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf); break;  \
-                        case 3: qk_block_##SUF##_3(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf); break;  \
-                        default: qk_block_##SUF##_4(qg, kc, kv_rows + i, dim, scale, sg + i, n, vm, &pf);        \
-                        }                                                                                        \
+                    for (; i + 4 <= t1; i += 4) {                                                                \
+                        const int64_t *r4 = kv_rows + i;                                                         \
+                        float *s4 = sg + i;                                                                      \
+                        if (streamed) switch (qb) {                                                              \
+                            case 1: qk_rows_##SUF##_1(qg, kc, r4, dim, scale, s4, n, vm, &pf); break;            \
+                            case 2: qk_rows_##SUF##_2(qg, kc, r4, dim, scale, s4, n, vm, &pf); break;            \
+                            case 3: qk_rows_##SUF##_3(qg, kc, r4, dim, scale, s4, n, vm, &pf); break;            \
+                            default: qk_rows_##SUF##_4(qg, kc, r4, dim, scale, s4, n, vm, &pf);                  \
+                            }                                                                                    \
+                        else switch (qb) {                                                                       \
+                            case 1: qk_block_##SUF##_1(qg, kc, r4, dim, scale, s4, n, vm, &pf); break;           \
+                            case 2: qk_block_##SUF##_2(qg, kc, r4, dim, scale, s4, n, vm, &pf); break;           \
+                            case 3: qk_block_##SUF##_3(qg, kc, r4, dim, scale, s4, n, vm, &pf); break;           \
+                            default: qk_block_##SUF##_4(qg, kc, r4, dim, scale, s4, n, vm, &pf);                 \
+                            }                                                                                    \
+                    }                                                                                            \
                     for (; i < t1; i++) {                                                                        \
                         decode_prefetch_next_##SUF(&pf);                                                         \
                         const T *k = kc + kv_rows[i];                                                            \
@@ -601,8 +681,8 @@ static inline __m256 fold16(__m512 a) {
             sums[g] = sum + _mm512_reduce_add_ps(vsum);                                                          \
         }                                                                                                        \
         memset(acc, 0, sizeof(float) * group * dim);                                                             \
-        for (int64_t t = 0, t0 = 0; t0 < n; t++, t0 += DECODE_TILE) {                                            \
-            int64_t t1 = t0 + DECODE_TILE < n ? t0 + DECODE_TILE : n;                                            \
+        for (int64_t t = 0, t0 = 0; t0 < n; t++, t0 += tile) {                                                   \
+            int64_t t1 = t0 + tile < n ? t0 + tile : n;                                                          \
             for (int64_t h = 0; h < nkv; h++) {                                                                  \
                 decode_prefetch_plan_##SUF(&pf, k_cache, v_cache, kv_rows, n, nkv, head_stride, t, h, 1,         \
                                            passes * slices * (t1 - t0));                                         \
