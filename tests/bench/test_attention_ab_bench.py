@@ -7,6 +7,7 @@ of the bytes, and the check that two builds give the same bits.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench._sources import build_ops
 from kernels.cpu import build
@@ -54,3 +55,14 @@ def test_a_build_whose_attention_differs_is_reported(bench, current, tmp_path):
     report = bench.run_ab(_settings(bench, changed), {"a": current, "b": build_ops(changed, tmp_path / "b")})
     assert report["same_bits"] is False
     assert report["sources"]["a"]["sha256"] != report["sources"]["b"]["sha256"]
+
+
+@pytest.mark.parametrize("placement", ["random", "in-order"])
+def test_the_block_table_places_every_block_once(bench, placement):
+    settings = bench.Settings(a_source=build.SOURCE, b_source=build.SOURCE, batch=4, context=40, layers=1,
+                              placement=placement)
+    _, table = bench._cache(settings, torch.float32)
+    assert table.shape == (4, 3)  # 40 positions: 3 blocks of 16 a sequence
+    assert sorted(table.flatten().tolist()) == list(range(12))
+    in_order = bool((table.diff(dim=1) == 1).all()) and table[:, 0].tolist() == [0, 3, 6, 9]
+    assert in_order is (placement == "in-order")

@@ -304,6 +304,34 @@ def test_decode_attention_gqa_group_sizes(native: NativeCPUOps, dtype: torch.dty
         assert_decode_close(out, reference)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (12, 2, 80), (6, 2, 16)])
+def test_decode_over_blocks_in_order_gives_the_bits_of_scattered_ones(native: NativeCPUOps, dtype: torch.dtype,
+                                                                       num_heads: int, num_kv_heads: int,
+                                                                       head_dim: int) -> None:
+    """Blocks that follow one another in memory are left to the hardware prefetcher and their keys read row by row
+    (the AVX-512 task's qk_rows), blocks at random through the other order of reads: the same sums in the same
+    order, so the same bits. Sequence 0's blocks are in order but one, so a task also switches between the two."""
+    gen = torch.Generator().manual_seed(num_heads + head_dim)
+    batch, width, block_size = 8, 6, 16
+    num_blocks = batch * width + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = as_head_major(torch.randn(shape, generator=gen).to(dtype))
+    v_cache = as_head_major(torch.randn(shape, generator=gen).to(dtype))
+    in_order = torch.arange(batch * width).view(batch, width)
+    in_order[0, 3] = num_blocks - 1  # a jump in the middle of a sequence
+    seq_lens = torch.tensor([95, 96, 81, 66, 90, 17, 50, 93])  # some end inside a block, some not on four
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    moved_to = torch.randperm(num_blocks, generator=gen)  # block b of the in-order cache is block moved_to[b] here
+    k_scattered, v_scattered = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    k_scattered[moved_to], v_scattered[moved_to] = k_cache, v_cache
+    scale = head_dim**-0.5
+    out = native.paged_decode_attention(q, k_cache, v_cache, in_order, seq_lens, scale, None)
+    scattered = native.paged_decode_attention(q, k_scattered, v_scattered, moved_to[in_order], seq_lens, scale, None)
+    assert torch.equal(out, scattered)
+    assert_decode_close(out, attention.paged_decode_attention(q, k_cache, v_cache, in_order, seq_lens, scale, None))
+
+
 def test_decode_reads_no_block_outside_the_window(native: NativeCPUOps) -> None:
     """Blocks before the window may hold garbage (reused SWA blocks): NaNs there must not reach the output."""
     rows = [(1, 61), (1, 23)]
