@@ -8,10 +8,11 @@ attention's own time shows within a minute; sessions 16-29 kept rewriting this h
 The caches are laid out as the engine allocates them (``KVCache.allocate(head_major=True)``: each layer its own K
 and V tensors on huge pages, blocks of 16 slots, each KV head's positions of a block together) and each sequence's
 blocks are placed at random (``--placement in-order``: one after another, as a fresh engine allocates them, where
-a sequence's positions of one KV head lie in runs of a block with the other heads' between). A round runs one pass of each build, the builds taking turns, and each pass calls the
-attention once per layer over the whole batch; before each pass a buffer the size of a step's weights is
-written, so the KV comes from memory as it does in a step (``--hot``: one layer's cache for every call, so after
-the first it comes from cache, which shows the kernel's in-core cost). Each call also pays the op's way in from
+a sequence's positions of one KV head lie in runs of a block with the other heads' between). A round runs one pass
+of each build, the builds taking turns, and each pass calls the attention once per layer over the whole batch;
+before each pass a buffer the size of a step's weights is written, so the KV comes from memory as it does in a step
+(``--hot``: one layer's cache for every call, so after the first it comes from cache, which shows the kernel's
+in-core cost). Each call also pays the op's way in from
 Python and the threads' wake-up (tens of microseconds), which the engine's fused step does not: compare builds, not
 these times with a step's. Both builds also run one layer on the same inputs, and the report says whether they
 agree bit for bit.
