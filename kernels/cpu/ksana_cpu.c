@@ -510,6 +510,15 @@ static inline __m256 fold16(__m512 a) {
  * is loaded once for all of them. qk: the scores of 4 positions; pv: positions [j0, j1) into one 64-wide slice of
  * the QB accumulators, `chunks` of its 4 sixteen-lane chunks live (masked: head sizes 16, 48, 80, ...). */
 #define DEFINE_GQA_BLOCKS(SUF, T, QB)                                                                            \
+    /* qk's 4 x QB dot products, each summed across lanes, scaled, stored and folded into the maxima. */         \
+    static inline void qk_scores_##SUF##_##QB(__m512 a[QB][4], float scale, float *s, int64_t n, __m128 *vmax) { \
+        _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                                   \
+            __m128 sc = _mm_mul_ps(sum4x8(fold16(a[b][0]), fold16(a[b][1]), fold16(a[b][2]), fold16(a[b][3])),   \
+                                   _mm_set1_ps(scale));                                                          \
+            _mm_storeu_ps(s + b * n, sc);                                                                        \
+            vmax[b] = _mm_max_ps(vmax[b], sc);                                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
     static inline void qk_block_##SUF##_##QB(const float *q, const T *kc, const int64_t *rows, int64_t dim,      \
                                              float scale, float *s, int64_t n, __m128 *vmax,                     \
                                              decode_prefetch_##SUF *pf) {                                        \
@@ -529,12 +538,7 @@ static inline __m256 fold16(__m512 a) {
                 a[b][3] = _mm512_fmadd_ps(qv, x3, a[b][3]);                                                      \
             }                                                                                                    \
         }                                                                                                        \
-        _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                                   \
-            __m128 sc = _mm_mul_ps(sum4x8(fold16(a[b][0]), fold16(a[b][1]), fold16(a[b][2]), fold16(a[b][3])),   \
-                                   _mm_set1_ps(scale));                                                          \
-            _mm_storeu_ps(s + b * n, sc);                                                                        \
-            vmax[b] = _mm_max_ps(vmax[b], sc);                                                                   \
-        }                                                                                                        \
+        qk_scores_##SUF##_##QB(a, scale, s, n, vmax);                                                            \
     }                                                                                                            \
     /* qk's block with each of the 4 rows read whole before the next (the same sums in the same order), for      \
      * a unit that the hardware prefetcher streams: it follows the ones before it in memory, and it streams      \
@@ -562,12 +566,7 @@ static inline __m256 fold16(__m512 a) {
             }                                                                                                    \
         }                                                                                                        \
         for (int64_t d = 0; d < dim; d += 16) decode_prefetch_next_##SUF(pf); /* keeps the unit's count */       \
-        _Pragma("GCC unroll 4") for (int b = 0; b < QB; b++) {                                                   \
-            __m128 sc = _mm_mul_ps(sum4x8(fold16(a[b][0]), fold16(a[b][1]), fold16(a[b][2]), fold16(a[b][3])),   \
-                                   _mm_set1_ps(scale));                                                          \
-            _mm_storeu_ps(s + b * n, sc);                                                                        \
-            vmax[b] = _mm_max_ps(vmax[b], sc);                                                                   \
-        }                                                                                                        \
+        qk_scores_##SUF##_##QB(a, scale, s, n, vmax);                                                            \
     }                                                                                                            \
     static inline void pv_block_##SUF##_##QB(const float *s, int64_t n, const T *vc, const int64_t *kv_rows,     \
                                              int64_t j0, int64_t j1, int chunks, float *acc, int64_t dim,        \
