@@ -2564,6 +2564,13 @@ static void team_wait_clocked(team_barrier *barrier, int nthreads, int *my_sense
     clock->mark = left;
 }
 
+static void phase_mark(int tid, int phase) { /* a phase that ends without a barrier: its work only */
+    if (tid >= PHASE_THREADS) return;
+    double now = phase_now();
+    phase_clocks[tid].work[phase] += now - phase_clocks[tid].mark;
+    phase_clocks[tid].mark = now;
+}
+
 /* How many phases the clock has: bench/decode_phases.py's names must match the enum above. */
 int decode_phase_count(void) { return PHASES; }
 
@@ -2578,9 +2585,11 @@ void decode_phase_clock(double *out, int threads) {
 }
 #define TEAM_WAIT(phase) team_wait_clocked(&barrier, nth, &sense, tid, phase)
 #define PHASE_START(tid) phase_start(tid)
+#define PHASE_MARK(phase) phase_mark(tid, phase)
 #else
 #define TEAM_WAIT(phase) team_wait(&barrier, nth, &sense)
 #define PHASE_START(tid) ((void)0)
+#define PHASE_MARK(phase) ((void)0)
 #endif
 
 #define DECODE_LAYER_FIELDS 12
@@ -2603,12 +2612,10 @@ void decode_phase_clock(double *out, int threads) {
         int64_t k_most = hidden > q ? hidden : q;                                                                \
         k_most = k_most > inter ? k_most : inter;                                                                \
         int64_t row_tiles = (M + ROW_TILE - 1) / ROW_TILE;                                                       \
-        T *x = (T *)malloc(sizeof(T) * M * hidden), *qkv = (T *)malloc(sizeof(T) * M * qkv_n);                  \
-        T *qk = (T *)malloc(sizeof(T) * M * (q + kv)), *attn = (T *)malloc(sizeof(T) * M * q);                  \
-        T *gate_up = (T *)malloc(sizeof(T) * M * 2 * inter), *act = (T *)malloc(sizeof(T) * M * inter);         \
-        /* the matmuls' packed input; calloc: the padding rows of a partial last tile stay zero */               \
-        float *a = (float *)calloc(row_tiles * ROW_TILE * k_most, sizeof(float));                                \
-        /* down's packed input from the fused gate_up and SwiGLU pass (the pass still reads `a`) */              \
+        T *qkv = (T *)malloc(sizeof(T) * M * qkv_n), *qk = (T *)malloc(sizeof(T) * M * (q + kv));                \
+        T *attn = (T *)malloc(sizeof(T) * M * q), *gate_up = (T *)malloc(sizeof(T) * M * 2 * inter);             \
+        /* down's packed input from the fused gate_up and SwiGLU pass; calloc: the padding rows of a partial last\
+         * tile stay zero */                                                                                     \
         int fuse_mlp = swiglu_fusable(M, inter);                                                                 \
         float *a_act = fuse_mlp ? (float *)calloc(row_tiles * ROW_TILE * inter, sizeof(float)) : NULL;           \
         /* work counters, 0 at the start: per layer four matmuls' panel groups and the attention's tasks */      \
@@ -2626,10 +2633,12 @@ void decode_phase_clock(double *out, int threads) {
         {                                                                                                        \
             int tid = omp_get_thread_num(), nth = omp_get_num_threads(), sense = 0;                              \
             PHASE_START(tid);                                                                                    \
-            /* row-wise phases: this thread's rows are whole row tiles (round robin), see pack_row */            \
-            int64_t mine[M > 0 ? M : 1], nmine = 0;                                                              \
-            for (int64_t t = tid; t < row_tiles; t += nth)                                                       \
-                for (int64_t r = t * ROW_TILE; r < M && r < (t + 1) * ROW_TILE; r++) mine[nmine++] = r;          \
+            /* The row-wise ops run on every row in every thread, each into its own copy of the residual stream  \
+             * (thread 0's is `residual`), the normed rows and the matmul's packed input: the same bits in each, \
+             * and no barrier between them and the matmul that reads them. */                                    \
+            T *res = tid == 0 ? residual : (T *)malloc(sizeof(T) * M * hidden);                                  \
+            T *x = (T *)malloc(sizeof(T) * M * (inter > hidden ? inter : hidden)); /* or SwiGLU's, unfused */    \
+            float *a = (float *)calloc(row_tiles * ROW_TILE * k_most, sizeof(float));                            \
             for (int64_t l = 0; l < nlayers; l++) {                                                              \
                 const int64_t *f = table + l * DECODE_LAYER_FIELDS;                                              \
                 const T *in_norm = (const T *)(intptr_t)f[0], *qkv_w = (const T *)(intptr_t)f[1];                \
@@ -2639,27 +2648,28 @@ void decode_phase_clock(double *out, int threads) {
                 const T *down_w = (const T *)(intptr_t)f[8], *down_b = (const T *)(intptr_t)f[9];                \
                 T *k_cache = (T *)(intptr_t)f[10], *v_cache = (T *)(intptr_t)f[11];                              \
                 int64_t *next_group = next_work + 5 * l, *next_task = next_work + 5 * l + 4;                     \
-                /* residual = h (first layer) or residual + h; x = norm(residual) */                             \
-                for (int64_t i = 0; i < nmine; i++) {                                                            \
-                    int64_t r = mine[i];                                                                         \
+                /* res = h (first layer) or res + h; x = norm(res). h is read here before this thread reaches    \
+                 * the qkv barrier, which the o projection's writes to h come after. */                          \
+                for (int64_t r = 0; r < M; r++) {                                                                \
                     if (l == 0) {                                                                                \
-                        memcpy(residual + r * hidden, h + r * hidden, sizeof(T) * hidden);                       \
+                        memcpy(res + r * hidden, h + r * hidden, sizeof(T) * hidden);                            \
                         rms_norm_row_##SUF(h + r * hidden, NULL, NULL, in_norm, x + r * hidden, hidden, eps);    \
                     } else {                                                                                     \
-                        rms_norm_row_##SUF(h + r * hidden, residual + r * hidden, residual + r * hidden,         \
-                                           in_norm,                                                              \
+                        rms_norm_row_##SUF(h + r * hidden, res + r * hidden, res + r * hidden, in_norm,          \
                                            x + r * hidden, hidden, eps);                                         \
                     }                                                                                            \
                 }                                                                                                \
-                pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
-                TEAM_WAIT(PHASE_NORM);                                                                           \
+                pack_tiles_##SUF(x, hidden, hidden, a, M, 0, 1);                                                 \
+                PHASE_MARK(PHASE_NORM);                                                                          \
                 packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth, NULL);              \
                 TEAM_WAIT(PHASE_QKV);                                                                            \
                 decode_plan plan = plan_decode(seq_lens, M, nheads, nkv, dim, windows[l], slot_stride,           \
                                                head_stride, nthreads);                                           \
                 int whole_seqs = plan.kv_per_task == nkv && plan.splits == 1; /* a task is a whole sequence */   \
                 if (!whole_seqs) { /* tasks share sequences: rotary and KV store first */                        \
-                    for (int64_t i = 0; i < nmine; i++) ROTATE_AND_STORE(SUF, mine[i]);                          \
+                    for (int64_t t = tid; t * ROW_TILE < M; t += nth)                                            \
+                        for (int64_t r = t * ROW_TILE; r < M && r < (t + 1) * ROW_TILE; r++)                     \
+                            ROTATE_AND_STORE(SUF, r);                                                            \
                     TEAM_WAIT(PHASE_STORE);                                                                      \
                 }                                                                                                \
                 for (int64_t tasks = plan.whole_tasks * plan.splits;;) {                                         \
@@ -2676,17 +2686,16 @@ void decode_phase_clock(double *out, int threads) {
                         decode_combine_##SUF(&plan, whole, parts, attn, nheads, dim);                            \
                     TEAM_WAIT(PHASE_COMBINE);                                                                    \
                 }                                                                                                \
-                pack_tiles_##SUF(attn, q, q, a, M, tid, nth);                                                    \
-                TEAM_WAIT(PHASE_PACK);                                                                           \
+                pack_tiles_##SUF(attn, q, q, a, M, 0, 1);                                                        \
+                PHASE_MARK(PHASE_PACK);                                                                          \
                 packed_groups_##SUF(a, o_w, o_b, h, M, hidden, q, next_group + 1, nth, NULL);                    \
                 TEAM_WAIT(PHASE_O);                                                                              \
-                for (int64_t i = 0; i < nmine; i++) { /* residual += h; x = norm(residual) */                    \
-                    int64_t r = mine[i];                                                                         \
-                    rms_norm_row_##SUF(h + r * hidden, residual + r * hidden, residual + r * hidden, post_norm,  \
+                /* res += h; x = norm(res): read before the gate_up barrier, which down's writes to h follow */  \
+                for (int64_t r = 0; r < M; r++)                                                                  \
+                    rms_norm_row_##SUF(h + r * hidden, res + r * hidden, res + r * hidden, post_norm,            \
                                        x + r * hidden, hidden, eps);                                             \
-                }                                                                                                \
-                pack_tiles_##SUF(x, hidden, hidden, a, M, tid, nth);                                             \
-                TEAM_WAIT(PHASE_POST_NORM);                                                                      \
+                pack_tiles_##SUF(x, hidden, hidden, a, M, 0, 1);                                                 \
+                PHASE_MARK(PHASE_POST_NORM);                                                                     \
                 int fused = fuse_mlp && !gate_up_b; /* the one pass adds no bias */                              \
                 if (fused) {                                                                                     \
                     packed_swiglu_groups_##SUF(a, gate_up_w, M, inter, hidden, next_group + 2, nth, a_act);      \
@@ -2695,23 +2704,23 @@ void decode_phase_clock(double *out, int threads) {
                     packed_groups_##SUF(a, gate_up_w, gate_up_b, gate_up, M, 2 * inter, hidden,                  \
                                         next_group + 2, nth, NULL);                                              \
                     TEAM_WAIT(PHASE_GATE_UP);                                                                    \
-                    for (int64_t i = 0; i < nmine; i++)                                                          \
-                        SILU_AND_MUL_ROW(SUF)(gate_up + mine[i] * 2 * inter, act + mine[i] * inter, inter);      \
-                    pack_tiles_##SUF(act, inter, inter, a, M, tid, nth);                                         \
-                    TEAM_WAIT(PHASE_SILU);                                                                       \
+                    for (int64_t r = 0; r < M; r++)                                                              \
+                        SILU_AND_MUL_ROW(SUF)(gate_up + r * 2 * inter, x + r * inter, inter);                    \
+                    pack_tiles_##SUF(x, inter, inter, a, M, 0, 1);                                               \
+                    PHASE_MARK(PHASE_SILU);                                                                      \
                 }                                                                                                \
                 packed_groups_##SUF(fused ? a_act : a, down_w, down_b, h, M, hidden, inter, next_group + 3, nth, \
                                     NULL);                                                                       \
                 TEAM_WAIT(PHASE_DOWN);                                                                           \
             }                                                                                                    \
+            if (tid != 0) free(res);                                                                             \
+            free(x);                                                                                             \
+            free(a);                                                                                             \
         }                                                                                                        \
-        free(x);                                                                                                 \
         free(qkv);                                                                                               \
         free(qk);                                                                                                \
         free(attn);                                                                                              \
         free(gate_up);                                                                                           \
-        free(act);                                                                                               \
-        free(a);                                                                                                 \
         free(a_act);                                                                                             \
         free(next_work);                                                                                         \
         free(parts);                                                                                             \
