@@ -1691,6 +1691,9 @@ DEFINE_PANEL_STORE(bf16, bf16_t)
                                                __mmask16 last_mask, int prefetch) {                              \
         (void)prefetch;                                                                                          \
         __m512 saved[2][ROW_TILE][2];                                                                            \
+        /* past its panel's end, each half's prefetch goes on in the next group's same panel: two panels on     \
+         * (adjacent panels) or one (a pair tile's panels are far apart) */                                      \
+        const int64_t run = K * PANEL, jump = panel_len == run ? panel_len : 0;                                  \
         for (int64_t k0 = 0; k0 < K; k0 += SPLIT_KC) {                                                           \
             int64_t k1 = k0 + SPLIT_KC < K ? k0 + SPLIT_KC : K;                                                  \
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                                \
@@ -1704,8 +1707,9 @@ DEFINE_PANEL_STORE(bf16, bf16_t)
                 }                                                                                                \
                 for (int64_t k = k0; k < k1; k++) {                                                              \
                     __m512 b0 = w16_##SUF(w + k * PANEL), b1 = w16_##SUF(w + panel_len + k * PANEL);             \
-                    _mm_prefetch((const char *)(ws + k * PANEL + PACKED_PREFETCH_L1), _MM_HINT_T0);              \
-                    _mm_prefetch((const char *)(ws + k * PANEL + PACKED_PREFETCH_L2), _MM_HINT_T1);              \
+                    int64_t f1 = k * PANEL + PACKED_PREFETCH_L1, f2 = k * PANEL + PACKED_PREFETCH_L2;            \
+                    _mm_prefetch((const char *)(ws + (f1 < run ? f1 : f1 + jump)), _MM_HINT_T0);                 \
+                    _mm_prefetch((const char *)(ws + (f2 < run ? f2 : f2 + jump)), _MM_HINT_T1);                 \
                     _Pragma("GCC unroll 8") for (int m = 0; m < ROW_TILE; m++) {                                 \
                         if (m >= hr) break;                                                                      \
                         __m512 x = _mm512_set1_ps(ah[k * ROW_TILE + m]);                                         \
