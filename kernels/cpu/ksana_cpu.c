@@ -2498,10 +2498,12 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
  * microseconds once the matmul before it has streamed megabytes of weights through the caches (the interpreter's
  * own working set is evicted), about ten calls a layer.
  * The whole step is one OpenMP region: the team meets at a barrier between phases instead of forking and joining
- * for each op (five regions a layer before). The row-wise ops run on whole row tiles per thread, and the same
- * thread then packs its tiles into the next matmul's input (pack_tiles: an 8x8 transpose per 8 columns, where
- * one strided store per value cost about 0.6 ms a batch-16 step), so the packing needs no phase of its own; each
- * sequence's rotary and KV store run in its attention task when a task is a whole sequence.
+ * for each op (five regions a layer before). Every thread runs the row-wise ops on all the rows, into its own
+ * residual stream, normed rows and packed matmul input (pack_tiles: an 8x8 transpose per 8 columns, where one
+ * strided store per value cost about 0.6 ms a batch-16 step): they are microseconds of work, and a thread that
+ * computes them itself needs no barrier before the matmul that reads them (five barriers a layer, not eight:
+ * 0.9925 of the batch-16 step at context 512, bench/decode_ab.py on the Zen 4 EPYC). Each sequence's rotary and
+ * KV store run in its attention task when a task is a whole sequence.
  * `table` holds DECODE_LAYER_FIELDS addresses per layer (see kernels/cpu/ops.py, DecodeLayerWeights); biases may
  * be 0. `h` [M, hidden] is the embedding on entry and the last layer's MLP output on return; `residual` receives
  * the residual stream (the final norm adds them, as the Python loop leaves it).
