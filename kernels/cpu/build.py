@@ -41,7 +41,7 @@ SIGNATURES: dict[str, tuple] = {
     "pack_weight": (_ptr, _i64, _i64, _ptr, _int),
     "packed_linear": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
     "decode_layers": (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
-                      _ptr, _i64, _i64, _i64, _f32, _f32, _int),
+                      _ptr, _i64, _i64, _i64, _f32, _f32, _int, _ptr),
     "packed_linear_greedy": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int),
 }
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -2505,8 +2505,9 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
  * 0.9925 of the batch-16 step at context 512, bench/decode_ab.py on the Zen 4 EPYC). Each sequence's rotary and
  * KV store run in its attention task when a task is a whole sequence.
  * `table` holds DECODE_LAYER_FIELDS addresses per layer (see kernels/cpu/ops.py, DecodeLayerWeights); biases may
- * be 0. `h` [M, hidden] is the embedding on entry and the last layer's MLP output on return; `residual` receives
- * the residual stream (the final norm adds them, as the Python loop leaves it).
+ * be 0. `h` [M, hidden] is the embedding on entry and, on return, the last layer's MLP output, or with
+ * `final_norm` (last, so that a build without it, in bench/decode_ab.py, still reads its other arguments) the
+ * model's final norm of it; `residual` receives the residual stream (with `final_norm`, the sum that norm took).
  */
 /* The team's barrier between decode_layers' phases. libgomp's barrier spins only 100 times before it sleeps in
  * the kernel once its pools hold more threads than there are CPUs (see ksana/worker/fresh_thread.py, which keeps
@@ -2613,7 +2614,7 @@ void decode_phase_clock(double *out, int threads) {
                              const T *cos, const T *sin, const int64_t *slots, const int64_t *block_tables,     \
                              int64_t table_stride, const int64_t *seq_lens, int64_t block_size,                 \
                              int64_t slot_stride, int64_t head_stride, float eps,                               \
-                             float scale, int nthreads) {                                                        \
+                             float scale, int nthreads, const T *final_norm) {                                   \
         int64_t q = nheads * dim, kv = nkv * dim, qkv_n = q + 2 * kv;                                            \
         int64_t k_most = hidden > q ? hidden : q;                                                                \
         k_most = k_most > inter ? k_most : inter;                                                                \
@@ -2719,6 +2720,11 @@ void decode_phase_clock(double *out, int threads) {
                                     NULL);                                                                       \
                 TEAM_WAIT(PHASE_DOWN);                                                                           \
             }                                                                                                    \
+            /* the model's final norm, this thread's row tiles: h = norm(res + h), the sum into `residual` */    \
+            for (int64_t t = tid; final_norm && t * ROW_TILE < M; t += nth)                                      \
+                for (int64_t r = t * ROW_TILE; r < M && r < (t + 1) * ROW_TILE; r++)                             \
+                    rms_norm_row_##SUF(h + r * hidden, res + r * hidden, residual + r * hidden, final_norm,      \
+                                       h + r * hidden, hidden, eps);                                             \
             if (tid != 0) free(res);                                                                             \
             free(x);                                                                                             \
             free(a);                                                                                             \

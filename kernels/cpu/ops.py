@@ -128,6 +128,7 @@ class DecodeLayers:
     intermediate_size: int
     eps: float
     scale: float
+    final_norm: torch.Tensor | None = None  # the model's norm after the last layer, applied in the same call
 
 
 class NativeCPUOps:
@@ -162,14 +163,16 @@ class NativeCPUOps:
     def decode_layers(self, model: DecodeLayers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       meta) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every decoder layer of an all-decode step in one native call (see ``decode_layers`` in ksana_cpu.c):
-        ``(hidden, residual)`` as the layer loop leaves them, or None when the step is not one it takes (weights
-        not packed, an unsupported dtype or layout), and the caller runs the loop."""
+        ``(hidden, residual)`` as the layer loop leaves them (with ``model.final_norm``, ``hidden`` is that norm of
+        their sum and ``residual`` the sum), or None when the step is not one it takes (weights not packed, an
+        unsupported dtype or layout), and the caller runs the loop."""
         rows = hidden.shape[0]
         if not (self.has_linear and rows > 0 and hidden.dtype in DTYPE_SUFFIX
                 and hidden.is_contiguous() and cos.dtype == sin.dtype == hidden.dtype and cos.is_contiguous()
                 and sin.is_contiguous() and meta.block_tables.stride(-1) == 1 and meta.seq_lens.is_contiguous()
                 and meta.slot_mapping.is_contiguous()
-                and meta.block_tables.dtype == meta.seq_lens.dtype == meta.slot_mapping.dtype == torch.int64):
+                and meta.block_tables.dtype == meta.seq_lens.dtype == meta.slot_mapping.dtype == torch.int64
+                and (model.final_norm is None or _rows_ok(hidden, model.final_norm))):
             return None
         layers = model.layers
         if self._table_of is None or self._table_of[0]() is not model:
@@ -188,7 +191,7 @@ class NativeCPUOps:
             model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size,
             cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), meta.seq_lens.data_ptr(), meta.block_size, *layout, model.eps, model.scale,
-            torch.get_num_threads())
+            torch.get_num_threads(), None if model.final_norm is None else model.final_norm.data_ptr())
         return hidden, residual
 
     def greedy_logprobs(self, logits: torch.Tensor) -> tuple[list[int], list[float]] | None:

@@ -410,8 +410,7 @@ class DecoderForCausalLM(CausalLM):
         cos, sin = self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
         fused = self._decode_layers(hidden, cos, sin, kv_caches, meta)
         if fused is not None:
-            hidden, residual = fused
-            return self.ops.fused_add_rms_norm(hidden, residual, self.norm_weight, self.eps)[0]
+            return fused[0]  # the final norm ran in the same call
         residual = None
         profiler, num_repeats = self.profiler, self.layer_forward_round - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -428,8 +427,9 @@ class DecoderForCausalLM(CausalLM):
     def _decode_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers in one backend call when the backend fuses them and the step is plain decode (one token per
-        sequence, one block pool, no tensor parallelism, no repeated layers); None otherwise."""
+        """All layers and the final norm in one backend call when the backend fuses them and the step is plain
+        decode (one token per sequence, one block pool, no tensor parallelism, no repeated layers): ``(the normed
+        hidden states, the residual stream)``; None otherwise."""
         decode_layers = self.ops.decode_layers
         if (decode_layers is None or self.tp is not None or self.layer_forward_round != 1 or meta.swa is not None
                 or meta.num_decodes != hidden.shape[0] or meta.num_seqs != hidden.shape[0]):
@@ -440,7 +440,7 @@ class DecoderForCausalLM(CausalLM):
             layers = tuple(layer.decode_weights(kv) for layer, kv in zip(self.layers, kv_caches, strict=True))
             self._decode_layers_of = (key, DecodeLayers(layers, shape.hidden_size, shape.num_heads,
                                                         shape.num_kv_heads, shape.head_dim, shape.intermediate_size,
-                                                        self.eps, shape.head_dim**-0.5))
+                                                        self.eps, shape.head_dim**-0.5, self.norm_weight))
         return decode_layers(self._decode_layers_of[1], hidden, cos, sin, meta)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
