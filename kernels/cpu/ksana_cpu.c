@@ -2395,6 +2395,18 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
         }                                                                                                        \
     }                                                                                                            \
                                                                                                                  \
+    /* An embedding lookup from a packed table (a tied head): out[i][k] = packed[id / 16][k][id % 16], a row's   \
+     * values one cache line apart in one contiguous run. 1 (and nothing written) if an id is outside [0, N). */ \
+    int packed_rows_##SUF(const T *packed, int64_t N, int64_t K, const int64_t *ids, int64_t n, T *out) {        \
+        for (int64_t i = 0; i < n; i++)                                                                          \
+            if (ids[i] < 0 || ids[i] >= N) return 1;                                                             \
+        for (int64_t i = 0; i < n; i++) {                                                                        \
+            const T *src = packed + ids[i] / PANEL * K * PANEL + ids[i] % PANEL;                                 \
+            for (int64_t k = 0; k < K; k++) out[i * K + k] = src[k * PANEL];                                     \
+        }                                                                                                        \
+        return 0;                                                                                                \
+    }                                                                                                            \
+                                                                                                                 \
     /* The panels back as one row-major [K, panels * 16] matrix (out[k][16p + j] = packed[p][k][j]): the weight \
      * transposed, as a BLAS matmul takes it (see ``NativeCPUOps.linear``). Rows split across the threads. */    \
     void unpack_weight_##SUF(const T *packed, int64_t panels, int64_t K, T *out, int nthreads) {                 \

@@ -23,6 +23,9 @@ from kernels.cpu.packed import PANEL, PackedWeight, packed_numel
 # Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
 # cost 0.26 ms more in the lm_head for 0.12 ms less sampling (one process, alternating step by step).
 FUSED_GREEDY_MIN_ROWS = 8
+# Lookups of up to this many ids from a packed embedding run natively, one thread (a decode step's batch); a
+# prefill's go through torch's indexing.
+NATIVE_EMBEDDING_MAX_ROWS = 64
 # From this many rows a bfloat16 matmul over a packed weight goes to torch's oneDNN matmul where the CPU has AMX:
 # its tiles run bfloat16 at 2-2.8 TFLOP/s (two cores), the native kernel (which widens to float32) at 0.3-0.35.
 # The panels are first unpacked into a scratch [K, N] matrix, which costs about one read and write of the weight:
@@ -150,6 +153,11 @@ class NativeCPUOps:
             library.set_packed_prefetch_min_rows(rows)
         self._unpack = {dtype: getattr(library, f"unpack_weight_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
                         if hasattr(library, f"unpack_weight_{suffix}")}
+        self._packed_rows = {dtype: getattr(library, f"packed_rows_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
+                             if hasattr(library, f"packed_rows_{suffix}")}
+        for fn in self._packed_rows.values():
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p)
         self.bf16_blas_min_rows = bf16_blas_min_rows if torch.bfloat16 in self._unpack else None
         self.bf16_prefill_query_chunk = bf16_prefill_query_chunk
         self._scratch = threading.local()  # each thread's unpacked weight (the worker's, perf mode's)
@@ -299,10 +307,21 @@ class NativeCPUOps:
         return ids.tolist(), logprobs.tolist()
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
-        """``F.embedding``; a packed table (tied to the head) is gathered from its panels."""
-        if isinstance(weight, PackedWeight):
+        """``F.embedding``; a packed table (tied to the head) is gathered from its panels: a decode step's few
+        rows natively (one call, where torch's indexing takes three ops and about 0.13 ms at batch 16), more
+        (a prefill) or an id out of range by ``PackedWeight.rows``."""
+        if not isinstance(weight, PackedWeight):
+            return F.embedding(ids, weight)
+        gather = self._packed_rows.get(weight.dtype)
+        n = ids.numel()
+        if (gather is None or ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous()
+                or n > NATIVE_EMBEDDING_MAX_ROWS):
             return weight.rows(ids)
-        return F.embedding(ids, weight)
+        out = torch.empty((n, weight.in_features), dtype=weight.dtype)
+        if gather(weight.packed.data_ptr(), weight.out_features, weight.in_features, ids.data_ptr(), n,
+                  out.data_ptr()):
+            return weight.rows(ids)  # an id outside [0, out_features): as the indexing treats it
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not _rows_ok(x, weight):

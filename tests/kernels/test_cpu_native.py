@@ -21,6 +21,7 @@ from kernels.cpu.ops import (
     AMX_MIN_ROWS,
     AMX_PREFILL_QUERY_CHUNK,
     AVX512_BF16_MIN_ROWS,
+    NATIVE_EMBEDDING_MAX_ROWS,
     NativeCPUOps,
     _cache_layout,
     _cpu_vendor,
@@ -551,6 +552,23 @@ def test_packed_linear_edges(native: NativeCPUOps) -> None:
     x16[1, 5] = float("nan")
     out = native.linear(x16, native.pack_weight(weight.bfloat16()))
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_from_packed_panels_natively_gives_the_rows(native: NativeCPUOps, dtype: torch.dtype) -> None:
+    """A decode batch's ids (the native gather), a prefill's (torch's indexing), and an id past the table, which
+    leaves the native gather to the indexing."""
+    if not native.has_linear:
+        return
+    assert dtype in native._packed_rows  # the native gather is there to test
+    weight = torch.randn(50, 72).to(dtype)  # 4 panels, the last one part padding
+    packed = native.pack_weight(weight)
+    ids = torch.tensor([0, 49, 16, 15, 17, 33, 49, 1])
+    assert torch.equal(native.embedding(ids, packed), weight[ids])
+    many = torch.randint(0, 50, (NATIVE_EMBEDDING_MAX_ROWS + 3,))
+    assert torch.equal(native.embedding(many, packed), weight[many])
+    past = torch.tensor([3, 50])  # row 50 is panel padding: the indexing's zeros, as before the native path
+    assert torch.equal(native.embedding(past, packed), packed.rows(past))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
