@@ -150,6 +150,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         for suffix in DTYPE_SUFFIX.values():
             fn = getattr(library, f"unpack_weight_{suffix}")
             fn.argtypes, fn.restype = (_ptr, _i64, _i64, _ptr, _int), None
+    if hasattr(library, "packed_rows_f32"):  # the same builds, from session 37's sources on
+        for suffix in DTYPE_SUFFIX.values():
+            fn = getattr(library, f"packed_rows_{suffix}")
+            fn.argtypes, fn.restype = (_ptr, _i64, _i64, _ptr, _i64, _ptr), _int
     if hasattr(library, "prefill_attention_f32"):  # not in older sources that decode_ab.py may build
         library.prefill_attention_available.argtypes, library.prefill_attention_available.restype = (), _int
         library.prefill_attention_f32.argtypes = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,

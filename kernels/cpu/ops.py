@@ -155,9 +155,6 @@ class NativeCPUOps:
                         if hasattr(library, f"unpack_weight_{suffix}")}
         self._packed_rows = {dtype: getattr(library, f"packed_rows_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
                              if hasattr(library, f"packed_rows_{suffix}")}
-        for fn in self._packed_rows.values():
-            fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p)
         self.bf16_blas_min_rows = bf16_blas_min_rows if torch.bfloat16 in self._unpack else None
         self.bf16_prefill_query_chunk = bf16_prefill_query_chunk
         self._scratch = threading.local()  # each thread's unpacked weight (the worker's, perf mode's)
