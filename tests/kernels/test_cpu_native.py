@@ -803,6 +803,16 @@ def test_fused_decode_layers_equal_the_layer_loop_at_every_batch_shape(native: N
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["qwen2-mixed-swa", "mistral"])
+def test_fused_decode_layers_past_the_window_at_a_split_tile_batch(native: NativeCPUOps, tmp_path,
+                                                                  dtype: torch.dtype, family: str) -> None:
+    """12 rows (the split tile's, where each thread's first attention task is its own sequence, whose KV the
+    qkv projection warms) on sequences longer than the sliding windows: the warmed blocks start at the window."""
+    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, native, lengths=tuple(range(20, 44, 2)),
+                              num_blocks=160)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [8, 12, 16])
 def test_fused_decode_layers_equal_the_layer_loop_at_widths_off_the_vector_lanes(native: NativeCPUOps, tmp_path,
                                                                                 dtype: torch.dtype, rows: int) -> None:
