@@ -1534,10 +1534,16 @@ int set_packed_prefetch_min_rows(int rows) { /* the previous setting */
  * values in L2 instead of memory. One task of 512 positions is 786 KiB of smollm2's float32 KV, within a Zen 4
  * core's 1 MiB L2; the qkv weights are 1.1 MiB a thread, so about 70% of it arrives. On the Zen 4 EPYC the fused
  * step at batch 16, context 512 took 0.9885 of the time (bench/decode_ab.py, 136 pairs, same bits), 0.996 at
- * context 128, 0.991 in bfloat16. Measured and not
- * kept: a line per k in both halves (the whole task, 1.012 of one per k), one every second k (1.004); warming the
- * next layer's tasks during the MLP instead, where the lines wait in L3 behind the MLP's weights (1.06-1.08: the
- * matmuls slow more than the attention gains), or the second task too, during down (1.016). */
+ * context 128, 0.991 in bfloat16. Measured and not kept, against this rate: a line per k in both halves (the whole
+ * task arrives) 1.012, one every second k 1.004. Against no warming: the next layer's tasks during the MLP, where
+ * the lines wait in L3 behind the MLP's weights, 1.06-1.08 (the matmuls slow more than the attention gains); the
+ * second task too, during the layer before's down projection, 1.016 of the first task alone. The AVX2 tiles do
+ * not warm (KV_WARMS). */
+#if defined(KSANA_AVX512)
+#define KV_WARMS 1
+#else
+#define KV_WARMS 0
+#endif
 typedef struct {
     const char *at, *end;       /* the current block's next line and its end */
     const char *const *blocks;  /* the blocks still to warm, in the order the task reads them */
@@ -2724,7 +2730,8 @@ void decode_phase_clock(double *out, int threads) {
                 /* Each thread's first task is sequence `tid` (the rest are taken as they come), whose KV        \
                  * the split tile warms during the qkv projection (kv_warm). A thread the OS preempts holds up   \
                  * only that task. Same bits: which thread runs a task does not change its result. */            \
-                int warm_first = whole_seqs && M > ROW_TILE && M <= DECODE_ROWS && plan.whole_tasks >= nth;      \
+                int warm_first = KV_WARMS && whole_seqs && M > ROW_TILE && M <= DECODE_ROWS                      \
+                                 && plan.whole_tasks >= nth;                                                     \
                 if (warm_first) {                                                                                \
                     int64_t len = seq_lens[tid], window = windows[l], count = 0;                                 \
                     int64_t start = window > 0 && len > window ? len - window : 0;                               \
@@ -2734,7 +2741,6 @@ void decode_phase_clock(double *out, int threads) {
                             warm_blocks[count++] = (const char *)(v ? v_cache : k_cache)                         \
                                                    + block_tables[tid * table_stride + i] * block_bytes;         \
                     warm = (kv_warm){.blocks = warm_blocks, .left = count, .block_bytes = block_bytes};          \
-                    warm.at = warm.end = NULL;                                                                   \
                     kv_warming = &warm;                                                                          \
                 }                                                                                                \
                 packed_groups_##SUF(a, qkv_w, qkv_b, qkv, M, qkv_n, hidden, next_group, nth, NULL);              \
