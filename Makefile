@@ -27,7 +27,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -P -m pytest
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

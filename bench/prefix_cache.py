@@ -16,20 +16,19 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench._results import write_json  # noqa: E402
-from events import Actor, handles  # noqa: E402
-from events.messages import AddRequests, TokensOut  # noqa: E402
+from ksana.events import Actor, handles  # noqa: E402
+
+from ksana.bench.results import write_json  # noqa: E402
 from ksana.config import load_config  # noqa: E402
 from ksana.engine import InferenceEngine  # noqa: E402
+from ksana.messages import AddRequests, TokensOut  # noqa: E402
 from ksana.request import InferRequest  # noqa: E402
 from ksana.sampling_params import SamplingParams  # noqa: E402
 

@@ -56,15 +56,15 @@ import orjson
 import torch
 from transformers import AutoConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench._results import write_json  # noqa: E402
-from events.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
-from events.trace import TraceRecord  # noqa: E402
-from kernels.dispatch import get_ops  # noqa: E402
+from ksana.events.trace import TraceRecord  # noqa: E402
+from ksana.kernels.dispatch import get_ops  # noqa: E402
+
 from ksana import LLM, SamplingParams  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
+from ksana.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 from ksana.worker.fresh_thread import run_in_fresh_thread  # noqa: E402
 

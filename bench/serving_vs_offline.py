@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import os
 import platform
 import statistics
@@ -37,22 +36,19 @@ from typing import Any
 import attrs
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench._results import write_json  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STARTUP_TIMEOUT_S = 300.0
 
 
 def load_serve_bench():
-    """``bench/serve.py`` as a module (``bench`` is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parent / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # attrs resolves the module's classes through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    """The load generator, ``ksana bench serve``'s module."""
+    from ksana.bench import serve
+
+    return serve
 
 
 # ---- offline ------------------------------------------------------------------------------------------------------

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench._results import write_json  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,8 +1,8 @@
 """Ksana's actor runtime on trio: typed message routing, bounded mailboxes, a trace, wall or virtual clocks."""
 
-from events.actor import Actor, handles
-from events.clock import Clock, VirtualClock, WallClock, advance, run_blocking
-from events.errors import (
+from .actor import Actor, handles
+from .clock import Clock, VirtualClock, WallClock, advance, run_blocking
+from .errors import (
     ActorError,
     DeadlockError,
     DuplicateActorError,
@@ -12,9 +12,9 @@ from events.errors import (
     MailboxFullError,
     UnroutableMessageError,
 )
-from events.lane import BlockingLane
-from events.loop import EventLoop
-from events.trace import Trace, TraceRecord
+from .lane import BlockingLane
+from .loop import EventLoop
+from .trace import Trace, TraceRecord
 
 __all__ = [
     "Actor",

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from events.loop import EventLoop
+    from .loop import EventLoop
 
 _HANDLES_ATTR = "__events_handles__"
 

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from events.clock import blocking_runs_inline
+from .clock import blocking_runs_inline
 
 T = TypeVar("T")
 

@@ -18,9 +18,9 @@ from typing import Any
 import trio
 import trio.testing
 
-from events.actor import Actor, handler_methods
-from events.clock import Clock, WallClock
-from events.errors import (
+from .actor import Actor, handler_methods
+from .clock import Clock, WallClock
+from .errors import (
     ActorError,
     DeadlockError,
     DuplicateActorError,
@@ -30,7 +30,7 @@ from events.errors import (
     MailboxFullError,
     UnroutableMessageError,
 )
-from events.trace import Trace, TraceRecord
+from .trace import Trace, TraceRecord
 
 logger = logging.getLogger(__name__)
 

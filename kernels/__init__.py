@@ -1,15 +1,15 @@
 """Model kernels: a torch reference for each op, picked per device by ``kernels.dispatch.get_ops``."""
 
-from kernels.activation import silu_and_mul
-from kernels.attention import (
+from .activation import silu_and_mul
+from .attention import (
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
     store_kv_cache,
 )
-from kernels.dispatch import KernelOps, get_ops
-from kernels.norm import fused_add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary, rotary_cos_sin
+from .dispatch import KernelOps, get_ops
+from .norm import fused_add_rms_norm, rms_norm
+from .rotary import apply_rotary, rotary_cos_sin
 
 __all__ = [
     "KernelOps",

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from ksana.worker.attention_metadata import AttentionMetadata
+    from .attention_metadata import AttentionMetadata
 
 
 # Queries per SDPA call in a CPU prefill. PyTorch's CPU flash attention computes each query block against

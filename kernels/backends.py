@@ -10,8 +10,8 @@ import functools
 import importlib.util
 from collections.abc import Callable
 
-from kernels import attention, rotary
-from kernels.dispatch import KernelOps
+from . import attention, rotary
+from .dispatch import KernelOps
 
 
 @functools.cache
@@ -28,9 +28,9 @@ def triton_ops() -> KernelOps:
     per-sequence composition, so its halves are left unset: a timed copy (``KernelOps.timed``) times the
     launches that really run, as one call.
     """
-    from kernels.triton import activation, cache, norm
-    from kernels.triton import attention as triton_attention
-    from kernels.triton import rotary as triton_rotary
+    from .triton import activation, cache, norm
+    from .triton import attention as triton_attention
+    from .triton import rotary as triton_rotary
 
     return KernelOps(
         name="triton",
@@ -48,7 +48,7 @@ def triton_ops() -> KernelOps:
 @functools.cache
 def npu_ops() -> KernelOps:
     """torch-npu's fused norm, rotary and SwiGLU; the reference for the rest (see ``kernels.npu``)."""
-    from kernels import npu
+    from . import npu
 
     return KernelOps(
         name="npu" if npu.torch_npu is not None else "npu-reference",
@@ -71,14 +71,14 @@ def cpu_ops() -> KernelOps:
     (BLAS and SDPA otherwise; bfloat16 projections of many rows go to oneDNN where the CPU has AMX or is an AMD one
     with AVX512_BF16); the torch reference when the library cannot be built. Attention keeps the reference's store/decode/prefill composition,
     with native parts, so perf mode still times the two halves apart."""
-    from kernels.cpu import load_library
+    from .cpu import load_library
 
     library = load_library()
     if library is None:
-        from kernels.dispatch import TORCH_OPS
+        from .dispatch import TORCH_OPS
 
         return TORCH_OPS
-    from kernels.cpu.ops import (
+    from .cpu.ops import (
         AMX_PREFILL_QUERY_CHUNK,
         NativeCPUOps,
         amx_bf16_available,

@@ -19,7 +19,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from kernels import activation, attention, norm, rotary
+from . import activation, attention, norm, rotary
 
 
 class OpTimer(Protocol):
@@ -152,7 +152,7 @@ TORCH_OPS = KernelOps(
 def get_ops(device: str | torch.device) -> KernelOps:
     """CUDA → Triton kernels (when triton is installed), NPU → torch-npu's fused ops, CPU → native C kernels (when
     they build), anything else → torch."""
-    from kernels import backends  # lazy: backends imports this module; triton/torch_npu load only on demand
+    from . import backends  # lazy: backends imports this module; triton/torch_npu load only on demand
 
     device_type = torch.device(device).type
     if device_type == "cuda" and backends.is_triton_available():

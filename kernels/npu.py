@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import activation, norm, rotary
+from . import activation, norm, rotary
 
 logger = logging.getLogger(__name__)
 

@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.set_defaults(func=_cmd_generate)
 
+    from ksana.perf.cli import add_perf_parser
     from ksana.server.cli import add_serve_parser
-    from perf.cli import add_perf_parser
 
     add_serve_parser(sub, _add_config_flags)
     add_perf_parser(sub)

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from events import Actor, BlockingLane, EventLoop
-from events.clock import Clock
 from ksana.builtin import resolve_model_dir
 from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
 from ksana.cache.direct_cache_manager import num_blocks_for
 from ksana.cache.remote_loading import FilesystemKVStore, store_namespace
 from ksana.config import ConfigError, KsanaConfig
+from ksana.events import Actor, BlockingLane, EventLoop
+from ksana.events.clock import Clock
 from ksana.models.registry import load_model
 from ksana.scheduler.batch_scheduler import BatchScheduler
 from ksana.scheduler.scheduler_actor import SchedulerActor

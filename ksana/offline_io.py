@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from events import Actor, handles
-from events.messages import AbortRequest, AddRequests, TokensOut
+from ksana.events import Actor, handles
+from ksana.messages import AbortRequest, AddRequests, TokensOut
 from ksana.output_processor import SequenceStream
 from ksana.request import InferRequest
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import attrs
 
-from events.messages import RequestDelta
 from ksana.detokenizer import IncrementalDetokenizer
+from ksana.messages import RequestDelta
 from ksana.outputs import CompletionOutput
 from ksana.sampling_params import SamplingParams
 from ksana.stop_checker import StopChecker

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from events.messages import PLACEHOLDER_TOKEN
+from ksana.messages import PLACEHOLDER_TOKEN
 from ksana.sampling_params import SamplingParams
 
 

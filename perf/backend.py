@@ -20,15 +20,15 @@ from collections.abc import Sequence
 import attrs
 import trio
 import trio.testing
+from ksana.events import Actor, TraceRecord, handles
+from ksana.perf.operator_profiler import OperatorProfiler, OperatorTimes
+from ksana.perf.perf_config import BatchSpec, PerfConfigError
 from tqdm.auto import tqdm
 
-from events import Actor, TraceRecord, handles
-from events.messages import AddRequests, CacheStats, GetCacheStats, StepPlan, StepTimings, TokensOut
+from ksana.messages import AddRequests, CacheStats, GetCacheStats, StepPlan, StepTimings, TokensOut
 from ksana.request import FinishReason, InferRequest
 from ksana.sampling_params import SamplingParams
 from ksana.worker.model_runner import ModelRunner
-from perf.operator_profiler import OperatorProfiler, OperatorTimes
-from perf.perf_config import BatchSpec, PerfConfigError
 
 logger = logging.getLogger(__name__)
 

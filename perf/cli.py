@@ -49,8 +49,8 @@ def add_perf_parser(subparsers) -> None:
 
 
 def _cmd_perf(args: argparse.Namespace) -> int:
-    from perf.perf_config import load_model_perf_config
-    from perf.runner import run_model_perf
+    from ksana.perf.perf_config import load_model_perf_config
+    from ksana.perf.runner import run_model_perf
 
     model_dir = args.model_dir
     if model_dir is not None and model_dir not in ("smollm2", "demo"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from perf.perf_config import BatchSpec
+from ksana.perf.perf_config import BatchSpec
 
 CSV_HEADER = (
     "profile_round,layer_forward_round,total_requests,total_sequence_len,"

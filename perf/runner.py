@@ -16,18 +16,10 @@ from typing import Any
 import attrs
 import trio
 import yaml
-
-from ksana.builtin import resolve_model_dir
-from ksana.config import KsanaConfig, load_config
-from ksana.engine import InferenceEngine, resolve_device, resolve_dtype
-from ksana.models.shape import ModelShape
-from ksana.worker.kv_cache import KVCache
-from ksana.worker.memory_budget import available_memory_bytes
-from ksana.worker.worker_actor import WorkerActor
-from perf.backend import BatchResult, ModelPerfBackend, RecordingRunner
-from perf.csv_writer import write_perf_csv
-from perf.operator_profiler import OPERATORS, OperatorProfiler
-from perf.perf_config import (
+from ksana.perf.backend import BatchResult, ModelPerfBackend, RecordingRunner
+from ksana.perf.csv_writer import write_perf_csv
+from ksana.perf.operator_profiler import OPERATORS, OperatorProfiler
+from ksana.perf.perf_config import (
     BatchConfig,
     ModelPerfConfig,
     PerfConfigError,
@@ -36,7 +28,7 @@ from perf.perf_config import (
     effective_layer_forward_round,
     load_batch_config,
 )
-from perf.result_writer import (
+from ksana.perf.result_writer import (
     SCHEMA_VERSION,
     batch_json,
     device_info,
@@ -45,6 +37,14 @@ from perf.result_writer import (
     now_iso,
     write_json,
 )
+
+from ksana.builtin import resolve_model_dir
+from ksana.config import KsanaConfig, load_config
+from ksana.engine import InferenceEngine, resolve_device, resolve_dtype
+from ksana.models.shape import ModelShape
+from ksana.worker.kv_cache import KVCache
+from ksana.worker.memory_budget import available_memory_bytes
+from ksana.worker.worker_actor import WorkerActor
 
 logger = logging.getLogger(__name__)
 

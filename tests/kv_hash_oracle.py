@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 
 import trio
+from ksana.events import Actor, handles
 
-from events import Actor, handles
-from events.messages import PLACEHOLDER_TOKEN, ExecuteStep, SampledToken, StepResult
+from ksana.messages import PLACEHOLDER_TOKEN, ExecuteStep, SampledToken, StepResult
 
 VOCAB = 997
 EOS = 0

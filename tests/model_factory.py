@@ -16,8 +16,7 @@ from typing import Any
 
 import attrs
 import torch
-
-from ksana.worker.attention_metadata import AttentionMetadata
+from ksana.kernels.attention_metadata import AttentionMetadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 import trio.testing
+from ksana.events import Actor, EventLoop, handles
 
-from events import Actor, EventLoop, handles
-from events.messages import AbortRequest, RequestDelta, TokensOut
 from ksana.builtin import resolve_model_dir
+from ksana.messages import AbortRequest, RequestDelta, TokensOut
 from ksana.offline_io import OfflineIOActor
 from ksana.output_processor import SequenceStream
 from ksana.sampling_params import SamplingParams

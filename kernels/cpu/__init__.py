@@ -15,6 +15,6 @@ the panels unpacked (``NativeCPUOps.linear``). Other CPUs keep torch's layout, B
 
 from __future__ import annotations
 
-from kernels.cpu.build import load_library
+from .build import load_library
 
 __all__ = ["load_library"]

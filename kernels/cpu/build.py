@@ -110,7 +110,7 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU runs the (slower) torch reference ops")
         return None
-    from ksana.builtin.cache_dir import build_cached
+    from ..build_cache import build_cached
 
     flags = compiler_flags()
     try:

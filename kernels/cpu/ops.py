@@ -15,10 +15,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from kernels import activation, attention, norm, rotary
-from kernels.cpu.build import DTYPE_SUFFIX, SIGNATURES
-from kernels.cpu.huge_pages import huge_page_empty
-from kernels.cpu.packed import PANEL, PackedWeight, packed_numel
+from .. import activation, attention, norm, rotary
+from .build import DTYPE_SUFFIX, SIGNATURES
+from .huge_pages import huge_page_empty
+from .packed import PANEL, PackedWeight, packed_numel
 
 # Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
 # cost 0.26 ms more in the lm_head for 0.12 ms less sampling (one process, alternating step by step).

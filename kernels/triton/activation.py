@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import rows_with_unit_stride
+from ._common import rows_with_unit_stride
 
 _MAX_BLOCK = 1024
 

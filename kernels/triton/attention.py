@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import is_interpreted, tl_dtype
-from kernels.triton.cache import store_kv_cache
+from ._common import is_interpreted, tl_dtype
+from .cache import store_kv_cache
 
 if TYPE_CHECKING:
-    from ksana.worker.attention_metadata import AttentionMetadata
+    from ..attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import rows_with_unit_stride
+from ._common import rows_with_unit_stride
 
 # One row lives in registers; wider rows would spill (no model has hidden sizes near this).
 MAX_HIDDEN = 65536

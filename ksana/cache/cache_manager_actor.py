@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import logging
 
-from events import Actor, handles
-from events.messages import (
+from ksana.cache.direct_cache_manager import DirectCacheManager
+from ksana.cache.prefix_cache import PrefixCacheManager
+from ksana.cache.remote_loading import RemoteKVStore
+from ksana.cache.swa_cache import SWACacheManager
+from ksana.events import Actor, handles
+from ksana.messages import (
     AllocateStepBlocks,
     CacheStats,
     FreeRequestBlocks,
@@ -17,10 +21,6 @@ from events.messages import (
     RemoteLoad,
     StepBlocks,
 )
-from ksana.cache.direct_cache_manager import DirectCacheManager
-from ksana.cache.prefix_cache import PrefixCacheManager
-from ksana.cache.remote_loading import RemoteKVStore
-from ksana.cache.swa_cache import SWACacheManager
 
 logger = logging.getLogger(__name__)
 

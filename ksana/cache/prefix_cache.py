@@ -20,10 +20,10 @@ from array import array
 
 import attrs
 
-from events.messages import BlockDemand, RemoteBlock, RemoteLoad
 from ksana.cache.block_allocator import BlockAllocator, BlockAllocatorError
 from ksana.cache.remote_loading import RemoteKVStore
 from ksana.cache.swa_cache import SWACacheManager
+from ksana.messages import BlockDemand, RemoteBlock, RemoteLoad
 
 ROOT_HASH = 0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from ksana.kernels.attention_metadata import AttentionMetadata
 from ksana.models.shape import ModelShape
-from ksana.worker.attention_metadata import AttentionMetadata
 
 
 @attrs.frozen

@@ -18,13 +18,13 @@ import attrs
 import torch
 from torch import nn
 
-from kernels.cpu.ops import DecodeLayers, DecodeLayerWeights
-from kernels.cpu.packed import PackedWeight
-from kernels.dispatch import KernelOps, OpTimer, get_ops
+from ksana.kernels.attention_metadata import AttentionMetadata
+from ksana.kernels.cpu.ops import DecodeLayers, DecodeLayerWeights
+from ksana.kernels.cpu.packed import PackedWeight
+from ksana.kernels.dispatch import KernelOps, OpTimer, get_ops
 from ksana.models.base import CausalLM, WeightSlot
 from ksana.models.parallel import Shard, TPGroup, rank_shape, vocab_range
 from ksana.models.shape import ModelShape
-from ksana.worker.attention_metadata import AttentionMetadata
 
 
 class OpProfiler(OpTimer, Protocol):

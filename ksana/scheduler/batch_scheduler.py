@@ -28,7 +28,9 @@ import logging
 
 import attrs
 
-from events.messages import (
+from ksana.cache.direct_cache_manager import num_blocks_for
+from ksana.config import BatchSchedulerSetting
+from ksana.messages import (
     BlockDemand,
     RemoteBlock,
     RemoteLoad,
@@ -37,8 +39,6 @@ from events.messages import (
     ScheduledRow,
     StepBlocks,
 )
-from ksana.cache.direct_cache_manager import num_blocks_for
-from ksana.config import BatchSchedulerSetting
 from ksana.request import FinishReason, InferRequest, RequestStatus
 
 logger = logging.getLogger(__name__)

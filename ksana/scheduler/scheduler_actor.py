@@ -18,8 +18,8 @@ from __future__ import annotations
 import collections
 import logging
 
-from events import Actor, handles
-from events.messages import (
+from ksana.events import Actor, handles
+from ksana.messages import (
     AbortRequest,
     AddRequest,
     AddRequests,

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from events import LoopStoppedError
+from ksana.events import LoopStoppedError
 from ksana.server import generate_api, openai_api
 from ksana.server.context import ServerContext
 from ksana.server.metrics import CONTENT_TYPE

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
 from ksana.server.priority import DEFAULT_LOOP_NICE, parse_loop_nice
 
@@ -92,21 +90,11 @@ def _first(exc: BaseException, kind: type[BaseException]) -> BaseException | Non
 
 
 def _add_bench_parser(subparsers) -> None:
-    """``ksana bench serve``: the load generator in ``bench/serve.py`` (needs the source tree, where bench/ is)."""
-    script = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
-    if not script.is_file():
-        return
-    bench = subparsers.add_parser("bench", help="benchmarks (from the source tree's bench/)")
+    """``ksana bench serve``: the load generator (``ksana.bench.serve``)."""
+    from ksana.bench import serve as load_generator
+
+    bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    module = _load_bench_module(script)
     serve = bench_sub.add_parser("serve", help="online load generator against a running server (vLLM's metrics)")
-    module.add_arguments(serve)
-    serve.set_defaults(func=lambda args: module.run(args))
-
-
-def _load_bench_module(script: Path):
-    spec = importlib.util.spec_from_file_location("ksana_bench_serve", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    load_generator.add_arguments(serve)
+    serve.set_defaults(func=load_generator.run)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import attrs
 
-from events.messages import RequestDelta
+from ksana.messages import RequestDelta
 from ksana.output_processor import SequenceStream
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from events import Actor, handles
-from events.messages import AbortRequest, AddRequest, CacheStats, GetCacheStats, RequestDelta, TokensOut
+from ksana.events import Actor, handles
+from ksana.messages import AbortRequest, AddRequest, CacheStats, GetCacheStats, RequestDelta, TokensOut
 from ksana.request import InferRequest
 from ksana.server.metrics import ServerMetrics
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import generate_latest
 
-from events.messages import CacheStats
+from ksana.messages import CacheStats
 
 disable_created_metrics()  # the *_created series only double the scrape size
 

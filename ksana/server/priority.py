@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from events import BlockingLane
+    from ksana.events import BlockingLane
 
 MAX_NICE = 19
 DEFAULT_LOOP_NICE = 10  # measured: see ``ServeOptions.loop_nice``

@@ -14,8 +14,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 class ServeProcess:
     """``python -m ksana.cli serve --port 0 <args>``; ``url`` is set by ``wait_ready``."""
@@ -26,8 +24,10 @@ class ServeProcess:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.pop("KSANA_API_KEY", None)  # a key in the caller's shell must not leak into these servers
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ksana.cli", "--log-level", "WARNING", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO, env=env,
+            # -P: the working directory stays off sys.path, so a checkout's top-level folders (``kernels/``) cannot
+            # shadow installed distributions of the same name (Hugging Face's ``kernels``, which transformers imports)
+            [sys.executable, "-P", "-m", "ksana.cli", "--log-level", "WARNING", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
         )
         self.url = ""
 

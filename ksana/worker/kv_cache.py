@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kernels.cpu.huge_pages import huge_page_zeros
+from ksana.kernels.cpu.huge_pages import huge_page_zeros
 from ksana.models.shape import ModelShape
 
 

@@ -14,7 +14,10 @@ import attrs
 import numpy as np
 import torch
 
-from events.messages import (
+from ksana.cache.remote_loading import RemoteKVStore
+from ksana.kernels.attention_metadata import AttentionMetadata
+from ksana.kernels.dispatch import get_ops
+from ksana.messages import (
     PLACEHOLDER_TOKEN,
     RemoteBlock,
     RemoteLoad,
@@ -23,9 +26,6 @@ from events.messages import (
     StepPlan,
     StepTimings,
 )
-from kernels.dispatch import get_ops
-from ksana.cache.remote_loading import RemoteKVStore
-from ksana.worker.attention_metadata import AttentionMetadata
 from ksana.worker.kv_cache import KVCache
 from ksana.worker.sampler import Sampler, SamplingRow, plain_greedy
 

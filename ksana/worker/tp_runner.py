@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from events.messages import SampledToken, StepPlan, StepTimings
+from ksana.messages import SampledToken, StepPlan, StepTimings
 from ksana.models.parallel import CollectiveError, TPGroup, check_tp_size
 from ksana.models.shape import ModelShape
 from ksana.worker.kv_cache import KVCache
@@ -130,7 +130,7 @@ class TPModelRunner:
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(tp_size),
                        RANK=str(rank), LOCAL_RANK=str(rank), KSANA_TP_LOOPBACK="1", KSANA_TP_DEVICE=device.type,
                        HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "ksana.worker.tp_rank"], env=env,
+            procs.append(subprocess.Popen([sys.executable, "-P", "-m", "ksana.worker.tp_rank"], env=env,
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
         logger.info("tensor parallelism: spawned ranks 1..%d (pids %s), store on 127.0.0.1:%d",
                     tp_size - 1, [p.pid for p in procs], store.port)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from events import Actor, BlockingLane, handles
-from events.lane import LaneCall
-from events.messages import ExecuteStep, SampledToken, StepPlan, StepResult, StepTimings
+from ksana.events import Actor, BlockingLane, handles
+from ksana.events.lane import LaneCall
+from ksana.messages import ExecuteStep, SampledToken, StepPlan, StepResult, StepTimings
 from ksana.worker.model_runner import ModelRunner
 
 StepOutcome = tuple[dict[str, SampledToken], StepTimings, dict[str, int]]

@@ -52,7 +52,7 @@ def test_the_read_ceiling_is_the_fastest_reader_the_engines_one_row_stream_among
 
 
 def test_the_matmul_ceiling_is_the_faster_of_torchs_gemm_and_the_engines(report):
-    from kernels.dispatch import get_ops
+    from ksana.kernels.dispatch import get_ops
 
     kernels = {"torch.mm", "packed linear"} if get_ops("cpu").pack_weights is not None else {"torch.mm"}
     for run in report["ceiling_runs"]:

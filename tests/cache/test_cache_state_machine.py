@@ -9,9 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from events.messages import BlockDemand
 from ksana.cache.prefix_cache import PrefixCacheManager
 from ksana.cache.swa_cache import SWACacheManager
+from ksana.messages import BlockDemand
 
 B = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7], [5] * 13]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from events.messages import BlockDemand
 from ksana.cache.prefix_cache import PrefixCacheManager, RemoteLoadingError
 from ksana.cache.swa_cache import SWACacheManager
+from ksana.messages import BlockDemand
 
 B = 4
 

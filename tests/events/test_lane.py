@@ -9,8 +9,7 @@ import weakref
 import pytest
 import trio
 import trio.testing
-
-from events.lane import BlockingLane
+from ksana.events.lane import BlockingLane
 
 
 def test_every_call_runs_on_the_same_thread_across_trio_runs():

@@ -8,8 +8,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
-
-from events import (
+from ksana.events import (
     Actor,
     ActorError,
     DeadlockError,

@@ -7,8 +7,7 @@ import json
 import attrs
 import pytest
 import trio
-
-from events import Actor, EventLoop, Trace, TraceRecord, VirtualClock, WallClock, advance, handles
+from ksana.events import Actor, EventLoop, Trace, TraceRecord, VirtualClock, WallClock, advance, handles
 
 
 @attrs.frozen

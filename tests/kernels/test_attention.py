@@ -7,16 +7,15 @@ import random
 
 import pytest
 import torch
-
-from kernels import attention
-from kernels.attention import (
+from ksana.kernels import attention
+from ksana.kernels.attention import (
     PREFILL_QUERY_CHUNK,
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
     store_kv_cache,
 )
-from ksana.worker.attention_metadata import AttentionMetadata
+from ksana.kernels.attention_metadata import AttentionMetadata
 
 HEAD_DIM = 8
 NUM_BLOCKS = 96

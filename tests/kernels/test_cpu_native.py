@@ -6,17 +6,17 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import attention, norm, rotary
-from kernels.backends import cpu_ops
-from kernels.cpu import load_library
-from kernels.cpu.build import LEVELS, cpu_level
-from kernels.cpu.ops import (
+from ksana.kernels import attention, norm, rotary
+from ksana.kernels.backends import cpu_ops
+from ksana.kernels.cpu import load_library
+from ksana.kernels.cpu.build import LEVELS, cpu_level
+from ksana.kernels.cpu.ops import (
     AMD_PACKED_PREFETCH_MIN_ROWS,
     AMX_MIN_ROWS,
     AMX_PREFILL_QUERY_CHUNK,
@@ -29,7 +29,8 @@ from kernels.cpu.ops import (
     bf16_onednn_min_rows,
     packed_prefetch_min_rows,
 )
-from kernels.cpu.packed import PackedWeight, dense_weight
+from ksana.kernels.cpu.packed import PackedWeight, dense_weight
+
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
 from tests.kernels.test_attention import HEAD_DIM, ROWS, as_head_major, dense_reference, make_batch
@@ -61,13 +62,15 @@ def test_lower_instruction_set_builds_match_the_reference(tmp_path, level: str) 
     """Each lower level's build, in a fresh cache: decode attention (both task layouts and split tasks, with and
     without a window) and, from AVX2 on, the packed linear kernel with float32 widening of bfloat16."""
     code = f"""
+import sys
+sys.path.append({str(Path(__file__).resolve().parents[2])!r})  # the tests package, after site-packages
 import torch
 import torch.nn.functional as F
-from kernels import attention
-from kernels.cpu import load_library
-from kernels.cpu.build import build_level
-from kernels.cpu.ops import NativeCPUOps
-from kernels.cpu.packed import PackedWeight
+from ksana.kernels import attention
+from ksana.kernels.cpu import load_library
+from ksana.kernels.cpu.build import build_level
+from ksana.kernels.cpu.ops import NativeCPUOps
+from ksana.kernels.cpu.packed import PackedWeight
 from tests.kernels.test_attention import make_batch
 assert build_level() == {level!r}
 native = NativeCPUOps(load_library())
@@ -98,7 +101,7 @@ torch.testing.assert_close(torch.tensor(logprobs), raw[torch.arange(3), ids], rt
 
 
 def test_env_switch_falls_back_to_the_torch_reference() -> None:
-    code = "from kernels import get_ops; from kernels.dispatch import TORCH_OPS; assert get_ops('cpu') is TORCH_OPS"
+    code = "from ksana.kernels import get_ops; from ksana.kernels.dispatch import TORCH_OPS; assert get_ops('cpu') is TORCH_OPS"
     env = {**os.environ, "KSANA_CPU_KERNELS": "torch"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
@@ -626,7 +629,7 @@ def test_onednn_bfloat16_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPat
                                                    vendor: str, expected: int | None) -> None:
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
-    monkeypatch.setattr("kernels.cpu.ops._cpu_vendor", lambda: vendor)
+    monkeypatch.setattr("ksana.kernels.cpu.ops._cpu_vendor", lambda: vendor)
     assert bf16_onednn_min_rows() == (expected if torch.backends.mkldnn.is_available() else None)
 
 
@@ -634,7 +637,7 @@ def test_onednn_bfloat16_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPat
                                                 ("GenuineIntel", 1), ("", 1)])
 def test_packed_prefetch_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, vendor: str,
                                                    expected: int) -> None:
-    monkeypatch.setattr("kernels.cpu.ops._cpu_vendor", lambda: vendor)
+    monkeypatch.setattr("ksana.kernels.cpu.ops._cpu_vendor", lambda: vendor)
     assert packed_prefetch_min_rows() == expected
 
 

@@ -13,14 +13,13 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import activation, attention, norm, npu, rotary
-from kernels.backends import npu_ops
+from ksana.kernels import activation, attention, norm, npu, rotary
+from ksana.kernels.backends import npu_ops
 
 
 def test_cpu_and_npu_paths_never_import_triton():
     code = (
-        "import sys; from kernels import backends, dispatch, npu; backends.npu_ops(); "
+        "import sys; from ksana.kernels import backends, dispatch, npu; backends.npu_ops(); "
         "dispatch.get_ops('cpu'); assert 'triton' not in sys.modules, 'triton imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "0"})

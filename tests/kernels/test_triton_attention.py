@@ -13,11 +13,10 @@ import random
 
 import pytest
 import torch
-
-from kernels import attention as reference
-from kernels.triton import attention as triton_attention
-from kernels.triton.cache import store_kv_cache
-from ksana.worker.attention_metadata import AttentionMetadata
+from ksana.kernels import attention as reference
+from ksana.kernels.attention_metadata import AttentionMetadata
+from ksana.kernels.triton import attention as triton_attention
+from ksana.kernels.triton.cache import store_kv_cache
 
 
 def rows_for(block_size: int) -> list[tuple[int, int]]:

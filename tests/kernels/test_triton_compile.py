@@ -24,10 +24,9 @@ def compile_all(arch: int) -> list[dict]:
     """Compile the kernels for ``arch``; one record per variant (run with ``TRITON_INTERPRET`` unset)."""
     import triton
     import triton.language as tl
+    from ksana.kernels.triton import activation, attention, cache, norm, rotary
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from kernels.triton import activation, attention, cache, norm, rotary
 
     target = GPUTarget("cuda", arch, 32)
     attention_consts = {"BLOCK_SIZE": 16, "BLOCK_N": 64, "BLOCK_D": 128, "HAS_WINDOW": True}
@@ -63,10 +62,10 @@ def test_every_kernel_compiles_for_sm80(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold cache: really compile
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    code = "import json, tests.kernels.test_triton_compile as t; print(json.dumps(t.compile_all(80)))"
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True
-    )
+    repo = str(Path(__file__).resolve().parents[2])  # the tests package, after site-packages
+    code = (f"import sys; sys.path.append({repo!r}); import json, tests.kernels.test_triton_compile as t; "
+            "print(json.dumps(t.compile_all(80)))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     records = json.loads(done.stdout.strip().splitlines()[-1])
     assert {r["kernel"] for r in records} == {

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import activation, norm, rotary
-from kernels.backends import triton_ops
-from kernels.triton import activation as triton_activation
-from kernels.triton import attention as triton_attention
-from kernels.triton import cache as triton_cache
-from kernels.triton import norm as triton_norm
-from kernels.triton import rotary as triton_rotary
+from ksana.kernels import activation, norm, rotary
+from ksana.kernels.backends import triton_ops
+from ksana.kernels.triton import activation as triton_activation
+from ksana.kernels.triton import attention as triton_attention
+from ksana.kernels.triton import cache as triton_cache
+from ksana.kernels.triton import norm as triton_norm
+from ksana.kernels.triton import rotary as triton_rotary
 
 # The interpreter rounds float32 -> bfloat16 by truncation, so bfloat16 is compared within one unit (2**-7).
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2}}

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from ksana.perf import runner as perf_runner
 
-import perf.runner
 from ksana.cli import main
 
 GOOD_BATCH = {"forwarding_token_num": 8, "sequence_len": 40, "request_num": 2}
@@ -99,7 +99,7 @@ def test_missing_config_file_as_a_real_process(tmp_path):
 
 def test_a_batch_the_scheduler_splits_is_caught_after_the_round(tmp_path, capsys, monkeypatch):
     """The checks before the run are backed by one after each round: a batch split over two steps is an error."""
-    monkeypatch.setattr(perf.runner, "check_batches_fit", lambda *args: None)
+    monkeypatch.setattr(perf_runner, "check_batches_fit", lambda *args: None)
     # Three requests of 4 blocks each in a 10-block pool: the scheduler runs two, then the third.
     config = _write(tmp_path, batches={"batch_7": {"dp_0": [{"forwarding_token_num": 1, "sequence_len": 64,
                                                              "request_num": 3}]}})
@@ -110,7 +110,7 @@ def test_a_batch_the_scheduler_splits_is_caught_after_the_round(tmp_path, capsys
 
 
 def test_a_kv_pool_larger_than_memory_names_the_batch(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(perf.runner, "available_memory_bytes", lambda device: 100 * 1024)
+    monkeypatch.setattr(perf_runner, "available_memory_bytes", lambda device: 100 * 1024)
     config = _write(tmp_path, batches={"batch_0": {"dp_0": [GOOD_BATCH]},
                                        "batch_1": {"dp_0": [{"forwarding_token_num": 1, "sequence_len": 100,
                                                              "request_num": 3}]}})

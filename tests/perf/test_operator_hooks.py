@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ksana.kernels import attention
+from ksana.kernels.cpu.ops import NativeCPUOps
+from ksana.kernels.dispatch import TORCH_OPS, KernelOps, get_ops
+from ksana.perf.csv_writer import csv_row
+from ksana.perf.operator_profiler import OPERATORS, OperatorProfiler
+from ksana.perf.perf_config import BatchSpec, RequestSpec
+from ksana.perf.stats import summarize
 
-from kernels import attention
-from kernels.cpu.ops import NativeCPUOps
-from kernels.dispatch import TORCH_OPS, KernelOps, get_ops
 from ksana import LLM, SamplingParams
-from perf.csv_writer import csv_row
-from perf.operator_profiler import OPERATORS, OperatorProfiler
-from perf.perf_config import BatchSpec, RequestSpec
-from perf.stats import summarize
 from tests.kernels.test_attention import ROWS, make_batch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

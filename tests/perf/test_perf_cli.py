@@ -10,9 +10,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
-from perf.csv_writer import CSV_HEADER
-from perf.operator_profiler import OPERATORS
+from ksana.perf.csv_writer import CSV_HEADER
+from ksana.perf.operator_profiler import OPERATORS
 
 SCHEMA = Path(__file__).resolve().parents[2] / "perf" / "schema" / "perf_result.schema.json"
 WARMUP_ROUNDS, STAT_ROUNDS, LAYER_FORWARD_ROUND = 1, 5, 2

@@ -7,12 +7,12 @@ import random
 import attrs
 import trio
 import trio.testing
+from ksana.events import Actor, EventLoop, handles
+from ksana.events.clock import VirtualClock
 
-from events import Actor, EventLoop, handles
-from events.clock import VirtualClock
-from events.messages import AbortRequest, AddRequest, CacheStats, GetCacheStats, TokensOut
 from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
 from ksana.config import BatchSchedulerSetting
+from ksana.messages import AbortRequest, AddRequest, CacheStats, GetCacheStats, TokensOut
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams
 from ksana.scheduler.batch_scheduler import BatchScheduler

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from events.messages import SampledToken, StepBlocks
 from ksana.config import BatchSchedulerSetting
+from ksana.messages import SampledToken, StepBlocks
 from ksana.request import InferRequest, RequestStatus
 from ksana.sampling_params import SamplingParams
 from ksana.scheduler.batch_scheduler import BatchScheduler

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import trio
 import trio.testing
+from ksana.events import Actor, EventLoop, handles
+from ksana.events.clock import VirtualClock
 
-from events import Actor, EventLoop, handles
-from events.clock import VirtualClock
-from events.messages import AddRequests, AllocateStepBlocks, FreeRequestBlocks, GetCacheStats, TokensOut
 from ksana.cache.cache_manager_actor import CacheManagerActor
 from ksana.cache.direct_cache_manager import DirectCacheManager
 from ksana.config import BatchSchedulerSetting
+from ksana.messages import AddRequests, AllocateStepBlocks, FreeRequestBlocks, GetCacheStats, TokensOut
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams
 from ksana.scheduler.batch_scheduler import BatchScheduler

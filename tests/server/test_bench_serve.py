@@ -1,23 +1,19 @@
-"""The load generator ``bench/serve.py`` against the demo server: its counts, timings and arrival processes."""
+"""The load generator ``ksana.bench.serve`` (``ksana bench serve``) against the demo server: its counts, timings and arrival processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 from pathlib import Path
 
 import orjson
 import pytest
 
-from ksana.server.process import REPO
+from ksana.bench import serve
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serve_under_test", REPO / "bench" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return serve
 
 
 def test_random_dataset_run_counts_every_token(server, bench, tmp_path: Path):

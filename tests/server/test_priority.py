@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import trio
+from ksana.events import BlockingLane
 
-from events import BlockingLane
 from ksana.server.priority import DEFAULT_LOOP_NICE, lower_loop_priority
 
 

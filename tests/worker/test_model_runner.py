@@ -7,7 +7,7 @@ import attrs
 import pytest
 import torch
 
-from events.messages import PLACEHOLDER_TOKEN, ScheduledRow, StepPlan
+from ksana.messages import PLACEHOLDER_TOKEN, ScheduledRow, StepPlan
 from ksana.models import load_model
 from ksana.sampling_params import SamplingParams
 from ksana.worker.kv_cache import KVCache

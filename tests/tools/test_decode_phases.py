@@ -1,4 +1,4 @@
-"""``bench/decode_phases.py`` on the demo model: the clocked build's phases, their costs and floors.
+"""``tools/decode_phases.py`` on the demo model: the clocked build's phases, their costs and floors.
 
 No timing thresholds (the figures are the benchmark's business): what can fail is the clock (phases that add up to
 more than the call they were clocked in, or to nothing), the bookkeeping of the steps, and the roofline
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ksana.kernels.cpu import load_library
+from ksana.kernels.cpu.ops import NativeCPUOps
 
-from kernels.cpu import load_library
-from kernels.cpu.ops import NativeCPUOps
 from ksana.models.shape import ModelShape
-from tests.bench import load_bench
+from tests.tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench("decode_phases")
+    return load_tool("decode_phases")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""``bench/phase_overlap.py`` on the demo model: every schedule of a captured decode step's phases is timed.
+"""``tools/phase_overlap.py`` on the demo model: every schedule of a captured decode step's phases is timed.
 
 No timing thresholds (the figures are the benchmark's business): what can fail is the capture, the bookkeeping of
 the rounds and the medians, the bytes the attention is said to read, and the overlapped runs doing the work (the
@@ -11,18 +11,18 @@ import statistics
 
 import pytest
 import torch
+from ksana.kernels.cpu import load_library
+from ksana.kernels.cpu.ops import NativeCPUOps
 from transformers import AutoConfig
 
-from kernels.cpu import load_library
-from kernels.cpu.ops import NativeCPUOps
 from ksana.builtin import resolve_model_dir
 from ksana.models.shape import ModelShape
-from tests.bench import load_bench
+from tests.tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench("phase_overlap")
+    return load_tool("phase_overlap")
 
 
 def test_every_schedule_is_timed_and_the_overlapped_runs_do_the_work(bench):

@@ -41,21 +41,22 @@ import torch
 from transformers import AutoConfig
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # roofline's settings and capture
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench._results import write_json  # noqa: E402
-from bench.roofline import Settings as RooflineSettings  # noqa: E402
-from bench.roofline import (  # noqa: E402
+from ksana.kernels.cpu import build  # noqa: E402
+from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
+from roofline import Settings as RooflineSettings  # noqa: E402
+from roofline import (  # noqa: E402
     best_ceilings,
     decode_step_cost,
     matmul_params,
     measure_ceilings,
     roofline_bound,
 )
-from kernels.cpu import build  # noqa: E402
-from kernels.cpu.ops import NativeCPUOps  # noqa: E402
+
 from ksana import LLM, SamplingParams  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 

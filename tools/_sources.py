@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from kernels.cpu import build
-from kernels.cpu.ops import NativeCPUOps
+from ksana.kernels.cpu import build
+from ksana.kernels.cpu.ops import NativeCPUOps
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,13 +24,12 @@ from typing import Any
 import attrs
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench._results import write_json  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 
 
 @attrs.frozen

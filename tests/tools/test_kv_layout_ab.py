@@ -1,4 +1,4 @@
-"""``bench/kv_layout_ab.py`` on the demo model: both cache layouts run the captured step, with the same bits.
+"""``tools/kv_layout_ab.py`` on the demo model: both cache layouts run the captured step, with the same bits.
 
 No timing thresholds (the figures are the benchmark's business): what can fail is the capture, the copy to the other
 layout, the bit check and the bookkeeping of the pairs.
@@ -7,15 +7,15 @@ layout, the bit check and the bookkeeping of the pairs.
 from __future__ import annotations
 
 import pytest
+from ksana.kernels.cpu import load_library
+from ksana.kernels.cpu.ops import NativeCPUOps
 
-from kernels.cpu import load_library
-from kernels.cpu.ops import NativeCPUOps
-from tests.bench import load_bench
+from tests.tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench("kv_layout_ab")
+    return load_tool("kv_layout_ab")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -33,7 +33,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,15 +42,14 @@ from typing import Any
 import attrs
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from ksana.kernels.cpu.ops import _cache_layout  # noqa: E402
+from kv_layout_ab import Settings, capture_step  # noqa: E402
 
-from bench._results import write_json  # noqa: E402
-from bench.kv_layout_ab import Settings, capture_step  # noqa: E402
-from kernels.cpu.ops import _cache_layout  # noqa: E402
 from ksana import LLM  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 
 CASES = ("fused_step", "attention_all", "attention_one", "projections_all", "projections_one",
          "projections_one_halves", "overlapped", "overlapped_halves")

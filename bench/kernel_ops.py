@@ -21,7 +21,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,13 +29,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-# The repository root goes first: this script's directory (sys.path[0]) would make `kernels` mean this file.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench._results import write_json  # noqa: E402
-from kernels import activation, attention, norm, rotary  # noqa: E402
-from ksana.worker.attention_metadata import AttentionMetadata  # noqa: E402
+from ksana.kernels import activation, attention, norm, rotary  # noqa: E402
+from ksana.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+
+from ksana.bench.results import write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -166,9 +164,9 @@ def _over_packed_weights(native) -> Callable:
 
 
 def _native_cpu_kernels() -> dict[str, Callable] | None:
-    from kernels.backends import cpu_ops
-    from kernels.cpu import load_library
-    from kernels.cpu.ops import NativeCPUOps
+    from ksana.kernels.backends import cpu_ops
+    from ksana.kernels.cpu import load_library
+    from ksana.kernels.cpu.ops import NativeCPUOps
 
     library = load_library()
     if library is None:
@@ -189,11 +187,11 @@ def _native_cpu_kernels() -> dict[str, Callable] | None:
 def build_cases(device: torch.device, dtype: torch.dtype, quick: bool, with_triton: bool) -> list[Case]:
     tr = _native_cpu_kernels() if device.type == "cpu" else None
     if with_triton:
-        from kernels.triton import activation as t_activation
-        from kernels.triton import attention as t_attention
-        from kernels.triton import cache as t_cache
-        from kernels.triton import norm as t_norm
-        from kernels.triton import rotary as t_rotary
+        from ksana.kernels.triton import activation as t_activation
+        from ksana.kernels.triton import attention as t_attention
+        from ksana.kernels.triton import cache as t_cache
+        from ksana.kernels.triton import norm as t_norm
+        from ksana.kernels.triton import rotary as t_rotary
 
         tr = {
             "rms_norm": t_norm.rms_norm,
@@ -334,7 +332,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="8x smaller shapes and fewer repeats")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
-    parser.add_argument("--out", default=str(RESULTS / "kernels.json"))
+    parser.add_argument("--out", default=str(RESULTS / "ksana.kernels.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
 

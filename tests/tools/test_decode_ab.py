@@ -1,4 +1,4 @@
-"""``bench/decode_ab.py`` on the demo model: two builds take turns in one engine, and the bit check can fail.
+"""``tools/decode_ab.py`` on the demo model: two builds take turns in one engine, and the bit check can fail.
 
 No timing thresholds (the figures are the benchmark's business): what can fail is the pairing of neighbouring steps,
 the bookkeeping of the rounds, and the check that two builds give the same bits.
@@ -9,17 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from ksana.kernels.cpu import build, load_library
+from ksana.kernels.cpu.ops import NativeCPUOps
 
-from kernels.cpu import build, load_library
-from kernels.cpu.ops import NativeCPUOps
-from tests.bench import load_bench
+from tests.tools import load_tool
 
 NORM_LINE = "float inv = 1.0f / sqrtf(ss / (float)dim + eps);"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench("decode_ab")
+    return load_tool("decode_ab")
 
 
 def _settings(bench, b_source: Path):

@@ -40,14 +40,14 @@ from typing import Any
 import attrs
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loaded by the tests
 
 import torch  # noqa: E402
+from _sources import build_ops, head_source  # noqa: E402
+from ksana.kernels.cpu import build  # noqa: E402
+from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 
-from bench._results import write_json  # noqa: E402
-from bench._sources import build_ops, head_source  # noqa: E402
-from kernels.cpu import build  # noqa: E402
-from kernels.cpu.ops import NativeCPUOps  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 from ksana.worker.kv_cache import KVCache  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``bench/attention_ab.py`` on small shapes: two builds' decode attention take turns, and the bit check can fail.
+"""``tools/attention_ab.py`` on small shapes: two builds' decode attention take turns, and the bit check can fail.
 
 No timing thresholds (the figures are the benchmark's business): what can fail is the bookkeeping of the rounds and
 of the bytes, and the check that two builds give the same bits.
@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ksana.kernels.cpu import build
 
-from bench._sources import build_ops
-from kernels.cpu import build
-from tests.bench import load_bench
+from tests.tools import load_tool
 
 FINISH_LINE = "float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench("attention_ab")
+    return load_tool("attention_ab")
 
 
 @pytest.fixture(scope="module")
 def current(bench, tmp_path_factory):
     """The working tree's kernels, compiled once for every test here (a build takes seconds)."""
-    return build_ops(build.SOURCE, tmp_path_factory.mktemp("attention_ab") / "current")
+    return load_tool("_sources").build_ops(build.SOURCE, tmp_path_factory.mktemp("attention_ab") / "current")
 
 
 def _settings(bench, b_source, hot=False):
@@ -52,7 +51,7 @@ def test_a_build_whose_attention_differs_is_reported(bench, current, tmp_path):
     assert FINISH_LINE in source  # the line this test perturbs (the softmax's normaliser)
     changed = tmp_path / "ksana_cpu_changed.c"
     changed.write_text(source.replace(FINISH_LINE, FINISH_LINE.replace("1.0f / sums[g]", "1.001f / sums[g]")))
-    report = bench.run_ab(_settings(bench, changed), {"a": current, "b": build_ops(changed, tmp_path / "b")})
+    report = bench.run_ab(_settings(bench, changed), {"a": current, "b": load_tool("_sources").build_ops(changed, tmp_path / "b")})
     assert report["same_bits"] is False
     assert report["sources"]["a"]["sha256"] != report["sources"]["b"]["sha256"]
 

@@ -29,16 +29,16 @@ from typing import Any
 import attrs
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loaded by the tests
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from _sources import build_ops, head_source  # noqa: E402
+from ksana.kernels.cpu import build  # noqa: E402
+from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 
-from bench._results import write_json  # noqa: E402
-from bench._sources import build_ops, head_source  # noqa: E402
-from kernels.cpu import build  # noqa: E402
-from kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
+from ksana.bench.results import write_json  # noqa: E402
 
 SKIP_STEPS = 2  # each generate call's first decode steps (caches and pools settling)
 
