@@ -3,8 +3,7 @@
 Why not ``trio.to_thread``: its cache hands each call to whichever thread is idle, and every thread that runs a torch
 parallel region keeps an OpenMP pool of its own. Forward passes that move between threads multiply the pools until
 libgomp throttles them (see ``ksana/worker/fresh_thread.py``); one thread keeps one pool for the engine's life. The
-hand-off is also lighter, a queue and one ``run_sync_soon``: on this project's 2-vCPU VM the gap between two calls
-measured 0.31-0.47 ms against to_thread's 0.45-0.67 ms (a scratch loop of 40 calls, alternating the two ways).
+hand-off is also lighter than the thread cache's: a queue and one ``run_sync_soon`` a call.
 """
 
 from __future__ import annotations

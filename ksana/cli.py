@@ -1,4 +1,7 @@
-"""The ``ksana`` command. Subcommands: ``demo-model`` (write the tiny test model) and ``generate`` (offline)."""
+"""The ``ksana`` command: ``demo-model`` (write the tiny test model) and ``generate`` (offline) live here; ``serve``
+and ``bench serve`` come from ``ksana.server.cli``; perf mode and the simulator plug theirs in through the
+``ksana.commands`` entry points (``pyproject.toml``), so the engine never imports the layers built on it.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +9,10 @@ import argparse
 import logging
 import sys
 import time
+from importlib.metadata import entry_points
 
 from ksana.config import ConfigError
-
-
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory, or a built-in name: smollm2 (default), demo")
-    parser.add_argument("--config", help="runtime YAML (setting.* / model_spec.* keys)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-batch-size", type=int)
-    parser.add_argument("--max-step-tokens", type=int)
-    parser.add_argument("--block-token-num", type=int)
-    parser.add_argument("--split-fuse-token-num", type=int)
-    parser.add_argument("--num-device-blocks", type=int)
-    parser.add_argument("--enable-prefix-caching", action="store_true", default=None,
-                        dest="enable_auto_prefix_cache", help="setting.batch_scheduler.enable_auto_prefix_cache")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="plan the next step while one runs (setting.batch_scheduler.async_scheduling, "
-                             "default on)")
-
-
-def config_overrides(args: argparse.Namespace) -> dict:
-    keys = ("dtype", "max_batch_size", "max_step_tokens", "block_token_num", "split_fuse_token_num",
-            "num_device_blocks", "enable_auto_prefix_cache", "async_scheduling")
-    return {key: getattr(args, key) for key in keys}
+from ksana.config_flags import add_config_flags, config_overrides
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -70,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo_model)
 
     gen = sub.add_parser("generate", help="generate offline for one prompt and print the answer")
-    _add_config_flags(gen)
+    add_config_flags(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -78,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.set_defaults(func=_cmd_generate)
 
-    from ksana.perf.cli import add_perf_parser
     from ksana.server.cli import add_serve_parser
 
-    add_serve_parser(sub, _add_config_flags)
-    add_perf_parser(sub)
+    add_serve_parser(sub)
+    for command in sorted(entry_points(group="ksana.commands"), key=lambda point: point.name):
+        command.load()(sub)
     return parser
 
 

@@ -37,14 +37,14 @@ def test_dotted_override_and_every_leaf_has_a_path():
 def test_async_scheduling_is_on_unless_the_yaml_or_the_flag_turns_it_off(tmp_path):
     import argparse
 
-    from ksana.cli import _add_config_flags, config_overrides
+    from ksana.config_flags import add_config_flags, config_overrides
 
     assert load_config().setting.batch_scheduler.async_scheduling is True
     path = tmp_path / "ksana.yaml"
     path.write_text("setting:\n  batch_scheduler: {async_scheduling: false}\n")
     assert load_config(path).setting.batch_scheduler.async_scheduling is False
     parser = argparse.ArgumentParser()
-    _add_config_flags(parser)
+    add_config_flags(parser)
     flags = config_overrides(parser.parse_args(["--no-async-scheduling"]))
     assert load_config(**flags).setting.batch_scheduler.async_scheduling is False
     unset = config_overrides(parser.parse_args([]))

@@ -1,7 +1,8 @@
 """The cache-manager actor: the only owner of block state; the scheduler asks it once per step.
 
-It serves either manager: ``DirectCacheManager`` (prefix caching off: private blocks, nothing to match) or
-``PrefixCacheManager`` (prefix tree, SWA blocks, remote loading). ``make_cache_manager`` picks one.
+It serves any ``CacheManager`` (``ksana/cache/interface.py``): ``DirectCacheManager`` (prefix caching off:
+private blocks, nothing to match) or ``PrefixCacheManager`` (prefix tree, SWA blocks, remote loading);
+``make_cache_manager`` picks one from the configuration.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from ksana.cache.direct_cache_manager import DirectCacheManager
+from ksana.cache.interface import CacheManager
 from ksana.cache.prefix_cache import PrefixCacheManager
 from ksana.cache.remote_loading import RemoteKVStore
 from ksana.cache.swa_cache import SWACacheManager
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 def make_cache_manager(num_blocks: int, block_size: int, enable_prefix_cache: bool,
                        sliding_window: int | None = None, num_swa_blocks: int = 0,
-                       remote_store: RemoteKVStore | None = None) -> DirectCacheManager | PrefixCacheManager:
+                       remote_store: RemoteKVStore | None = None) -> CacheManager:
     """KsanaLLM's factory: the prefix cache manager when enabled (with an SWA pool for sliding-window models),
     else the direct one."""
     if not enable_prefix_cache:
@@ -40,27 +42,14 @@ def make_cache_manager(num_blocks: int, block_size: int, enable_prefix_cache: bo
 class CacheManagerActor(Actor):
     name = "cache_manager"
 
-    def __init__(self, manager: DirectCacheManager | PrefixCacheManager) -> None:
+    def __init__(self, manager: CacheManager) -> None:
         self.manager = manager
 
     @handles(AllocateStepBlocks)
     async def on_allocate(self, msg: AllocateStepBlocks) -> StepBlocks:
-        for request_id in msg.release:
-            self.manager.free_request(request_id)
-        if isinstance(self.manager, PrefixCacheManager):
-            return self._allocate_with_prefix_cache(msg)
-        tables: dict[str, tuple[int, ...]] = {}
-        refused: list[str] = []
-        for demand in msg.demands:
-            table = None if refused else self.manager.grow(demand.request_id, demand.num_tokens)
-            if table is None:
-                refused.append(demand.request_id)
-            else:
-                tables[demand.request_id] = tuple(table)
-        return StepBlocks(block_tables=tables, refused=tuple(refused), num_free_blocks=self.manager.num_free_blocks)
-
-    def _allocate_with_prefix_cache(self, msg: AllocateStepBlocks) -> StepBlocks:
         manager = self.manager
+        for request_id in msg.release:
+            manager.free_request(request_id)
         tables: dict[str, tuple[int, ...]] = {}
         swa_tables: dict[str, tuple[int, ...]] = {}
         cached: dict[str, int] = {}
@@ -74,7 +63,7 @@ class CacheManagerActor(Actor):
                 loads.append(grant.remote_load)
             else:
                 tables[demand.request_id] = grant.block_ids
-                if manager.swa is not None:
+                if grant.swa_block_ids is not None:
                     swa_tables[demand.request_id] = grant.swa_block_ids
                 if grant.num_cached_tokens is not None:
                     cached[demand.request_id] = grant.num_cached_tokens
@@ -90,19 +79,10 @@ class CacheManagerActor(Actor):
     @handles(GetCacheStats)
     async def on_stats(self, msg: GetCacheStats) -> CacheStats:
         manager = self.manager
-        extra = {}
-        if isinstance(manager, PrefixCacheManager):
-            s = manager.stats
-            extra = dict(prefix_cache_hit_req_num=s.prefix_cache_hit_req_num,
-                         prefix_cache_hit_token_num=s.prefix_cache_hit_token_num,
-                         prefix_cache_hit_block_num=s.prefix_cache_hit_block_num,
-                         full_prompt_matched_req_num=s.full_prompt_matched_req_num,
-                         num_cached_blocks=len(manager.tree))
         return CacheStats(
             num_total_blocks=manager.num_total_blocks,
             num_free_blocks=manager.num_free_blocks,
             block_size=manager.block_size,
-            num_requests_with_blocks=len(manager.requests if isinstance(manager, PrefixCacheManager)
-                                         else manager.block_tables),
-            **extra,
+            num_requests_with_blocks=manager.num_requests_with_blocks,
+            **manager.hit_stats(),
         )

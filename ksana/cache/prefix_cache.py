@@ -21,6 +21,7 @@ from array import array
 import attrs
 
 from ksana.cache.block_allocator import BlockAllocator, BlockAllocatorError
+from ksana.cache.interface import DemandGrant
 from ksana.cache.remote_loading import RemoteKVStore
 from ksana.cache.swa_cache import SWACacheManager
 from ksana.messages import BlockDemand, RemoteBlock, RemoteLoad
@@ -79,17 +80,9 @@ class PrefixCacheStats:
     remote_loaded_block_num: int = 0
 
 
-@attrs.define
-class DemandGrant:
-    """What one demand got: its tables and matched tokens, or a remote load to run first."""
-
-    block_ids: tuple[int, ...] = ()
-    swa_block_ids: tuple[int, ...] = ()
-    num_cached_tokens: int | None = None
-    remote_load: RemoteLoad | None = None
-
-
 class PrefixCacheManager:
+    """The prefix tree over the block pool (a ``CacheManager``), with the seed's API for SWA and remote loading."""
+
     def __init__(self, num_blocks: int, block_size: int, swa: SWACacheManager | None = None,
                  sliding_window: int | None = None, remote_store: RemoteKVStore | None = None) -> None:
         if (swa is None) != (sliding_window is None):
@@ -116,6 +109,18 @@ class PrefixCacheManager:
     def num_free_blocks(self) -> int:
         """Usable blocks: idle plus cached-but-unreferenced (evictable)."""
         return self.allocator.num_free_blocks + len(self.reusable)
+
+    @property
+    def num_requests_with_blocks(self) -> int:
+        return len(self.requests)
+
+    def hit_stats(self) -> dict[str, int]:
+        s = self.stats
+        return dict(prefix_cache_hit_req_num=s.prefix_cache_hit_req_num,
+                    prefix_cache_hit_token_num=s.prefix_cache_hit_token_num,
+                    prefix_cache_hit_block_num=s.prefix_cache_hit_block_num,
+                    full_prompt_matched_req_num=s.full_prompt_matched_req_num,
+                    num_cached_blocks=len(self.tree))
 
     @property
     def block_tables(self) -> dict[str, list[int]]:
@@ -294,7 +299,7 @@ class PrefixCacheManager:
             self._count_hit(req, num_cached)
         return DemandGrant(
             block_ids=tuple(b.block_id for b in req.cached_blocks),
-            swa_block_ids=tuple(req.swa_block_ids) if self.swa is not None else (),
+            swa_block_ids=tuple(req.swa_block_ids) if self.swa is not None else None,
             num_cached_tokens=num_cached,
         )
 

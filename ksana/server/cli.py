@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ksana.config_flags import add_config_flags, config_overrides
 from ksana.server.priority import DEFAULT_LOOP_NICE, parse_loop_nice
 
 # YAML keys beyond the shared config flags, as ``--flag`` -> config leaf name.
@@ -30,7 +31,7 @@ def parse_stream_interval(text: str) -> int:
     return value
 
 
-def add_serve_parser(subparsers, add_config_flags) -> None:
+def add_serve_parser(subparsers) -> None:
     serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible API and KsanaLLM's /generate")
     add_config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -52,7 +53,6 @@ def add_serve_parser(subparsers, add_config_flags) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ksana.cli import config_overrides
     from ksana.config import load_config
     from ksana.engine import InferenceEngine
     from ksana.server.serve import ServeOptions, run

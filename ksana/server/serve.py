@@ -39,16 +39,16 @@ class ServeOptions:
     keep_alive_timeout_s: float = 5.0
     # CPython's GIL switch interval while serving (default 5 ms). The loop thread runs long Python stretches (every
     # stream's chunks, the scheduler) while the forward thread needs the GIL for a moment between native kernels;
-    # at 5 ms one stretch can hold the forward that long. Measured on the 2-vCPU VM, `bench/serving_vs_offline.py`
-    # with async scheduling: 283 and 295 output tok/s at 1 ms, 240-289 (five runs) at 5 ms.
+    # at 5 ms one stretch can hold the forward that long. 1 ms keeps saturated serving steadier and faster on two
+    # cores (`bench/serving_vs_offline.py`).
     switch_interval_s: float = 0.001
-    # The event loop thread's nice value above the forward's threads (``priority``; Linux; 0 leaves it). Measured on
-    # the 2-vCPU Xeon, `bench/serving_vs_offline.py`'s workload on two servers in alternating runs: 10 rounds, nice
-    # 10 against 0, 1.07x the output tok/s (7 rounds of 10 ahead); nice 19, 3 rounds against 0: 0.98x.
+    # The event loop thread's nice value above the forward's threads (``priority``; Linux; 0 leaves it): on two
+    # cores the forward's threads then win the CPU when both are ready. The default comes from
+    # `bench/serving_vs_offline.py`'s saturated serving at nice 0, 10 and 19.
     loop_nice: int = DEFAULT_LOOP_NICE
     # Tokens per streamed event (SGLang's and vLLM's ``--stream-interval``): each event costs the loop one pass
-    # through hypercorn, h11 and a socket send, about 100 us of CPU on the 2-vCPU EPYC, taken from the forward's
-    # cores. 1 streams every token as it comes.
+    # through hypercorn, h11 and a socket send (about 100 us of CPU), taken from the forward's cores
+    # (`bench/serving_vs_offline.py --stream-interval N`). 1 streams every token as it comes.
     stream_interval: int = 1
 
 

@@ -1,0 +1,28 @@
+"""The command-line flags every engine command shares (``generate``, ``serve``, ``simulate``, ...), and the
+configuration overrides they make: each names a leaf key of the runtime YAML."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory, or a built-in name: smollm2 (default), demo")
+    parser.add_argument("--config", help="runtime YAML (setting.* / model_spec.* keys)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-batch-size", type=int)
+    parser.add_argument("--max-step-tokens", type=int)
+    parser.add_argument("--block-token-num", type=int)
+    parser.add_argument("--split-fuse-token-num", type=int)
+    parser.add_argument("--num-device-blocks", type=int)
+    parser.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                        dest="enable_auto_prefix_cache", help="setting.batch_scheduler.enable_auto_prefix_cache")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan the next step while one runs (setting.batch_scheduler.async_scheduling, "
+                             "default on)")
+
+
+def config_overrides(args: argparse.Namespace) -> dict:
+    keys = ("dtype", "max_batch_size", "max_step_tokens", "block_token_num", "split_fuse_token_num",
+            "num_device_blocks", "enable_auto_prefix_cache", "async_scheduling")
+    return {key: getattr(args, key) for key in keys}
