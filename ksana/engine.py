@@ -13,16 +13,19 @@ import logging
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
 from ksana.builtin import resolve_model_dir
 from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
 from ksana.cache.direct_cache_manager import num_blocks_for
+from ksana.cache.interface import CacheManager
 from ksana.cache.remote_loading import FilesystemKVStore, store_namespace
 from ksana.config import ConfigError, KsanaConfig
 from ksana.events import Actor, BlockingLane, EventLoop
 from ksana.events.clock import Clock
 from ksana.models.registry import load_model
+from ksana.models.shape import ModelShape
 from ksana.scheduler.batch_scheduler import BatchScheduler
 from ksana.scheduler.scheduler_actor import SchedulerActor
 from ksana.tokenizer import load_tokenizer
@@ -65,6 +68,66 @@ def _reject_unsupported(config: KsanaConfig) -> None:
             raise ConfigError(f"config key '{key}': {feature} is not implemented yet in this build")
 
 
+@attrs.frozen
+class EngineLayout:
+    """What the configuration and the model's shape decide before any weight loads: the KV pool and the
+    longest sequence. The engine and the simulator size themselves with the same ``plan_layout``, so a
+    simulated engine preempts where the real one would."""
+
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+    max_token_len: int
+    sliding_window: int | None  # the SWA pool's window (prefix cache on a sliding-window model), else None
+    num_swa_blocks: int
+
+
+def plan_layout(config: KsanaConfig, shape: ModelShape, budget_shape: ModelShape, device: torch.device,
+                dtype: torch.dtype, unloaded_weight_bytes: int = 0) -> EngineLayout:
+    """``budget_shape``: the shape whose KV the device's memory holds (one rank's under tensor parallelism on an
+    accelerator). ``unloaded_weight_bytes``: weights not in memory yet (the simulator loads none), taken off
+    the memory the pool is sized from."""
+    sched = config.setting.batch_scheduler
+    model_max = shape.max_position_embeddings
+    max_token_len = min(sched.max_token_len or model_max, model_max)
+    block_size = config.setting.block_manager.block_token_num
+    bytes_per_block = KVCache.bytes_per_block(budget_shape, block_size, dtype)
+    max_useful = sched.max_batch_size * num_blocks_for(max_token_len, block_size)
+    num_blocks = plan_num_blocks(config.setting.block_manager, bytes_per_block, device, max_useful,
+                                 unloaded_weight_bytes)
+    # Prefix cache on a sliding-window model: the sliding layers get their own SWA block pool, so a cached
+    # prefix's SWA copy can be evicted on its own (SWACacheManager); as many blocks as the FA pool by default.
+    # (Tensor-parallel ranks keep one pool: sliding layers then read the FA tables, as without the cache.)
+    windows = [w for w in shape.sliding_windows if w is not None]
+    use_swa_pool = (bool(windows) and sched.enable_auto_prefix_cache
+                    and config.setting.global_.tensor_para_size == 1)
+    num_swa_blocks = (config.setting.block_manager.num_swa_blocks or num_blocks) if use_swa_pool else 0
+    return EngineLayout(block_size, num_blocks, bytes_per_block, max_token_len,
+                        max(windows) if use_swa_pool else None, num_swa_blocks)
+
+
+def build_scheduling(config: KsanaConfig, layout: EngineLayout,
+                     remote_store: FilesystemKVStore | None = None) -> tuple[BatchScheduler, CacheManager]:
+    """The scheduler and the cache manager a layout gets: the same objects for serving, perf mode and the
+    simulator."""
+    sched = config.setting.batch_scheduler
+    manager = make_cache_manager(layout.num_blocks, layout.block_size, sched.enable_auto_prefix_cache,
+                                 layout.sliding_window, layout.num_swa_blocks, remote_store)
+    return BatchScheduler(sched, layout.block_size, layout.num_blocks, layout.max_token_len), manager
+
+
+def assemble_loop(scheduler: BatchScheduler, cache_manager: CacheManager, worker: Actor, io_actor: Actor,
+                  clock: Clock | None = None, trace_capacity: int | None = None) -> EventLoop:
+    """The one assembly of every product: the scheduler and cache-manager actors around the given state, the
+    worker (real or simulated) and the I/O side (server, offline, perf backend or workload replayer)."""
+    loop = EventLoop(clock=clock) if trace_capacity is None else EventLoop(clock=clock, trace_capacity=trace_capacity)
+    loop.register(SchedulerActor(scheduler))
+    loop.register(CacheManagerActor(cache_manager))
+    loop.register(worker)
+    loop.register(io_actor)
+    return loop
+
+
 class InferenceEngine:
     """The model, its KV pool and the persistent scheduler/cache state; ``build_loop`` wires a run."""
 
@@ -94,29 +157,19 @@ class InferenceEngine:
         self.shape = self.model.shape
         logger.info("model loaded in %.1f s", time.perf_counter() - started)
 
-        sched = config.setting.batch_scheduler
-        model_max = self.shape.max_position_embeddings
-        self.max_token_len = min(sched.max_token_len or model_max, model_max)
-        block_size = config.setting.block_manager.block_token_num
         # Each TP rank holds its KV heads' share of a block; on CPU the ranks share one memory, so size by it all.
         kv_shape = getattr(self.model, "rank_shape", self.shape)
         budget_shape = self.shape if self.device.type == "cpu" else kv_shape
-        bytes_per_block = KVCache.bytes_per_block(budget_shape, block_size, self.dtype)
-        max_useful = sched.max_batch_size * num_blocks_for(self.max_token_len, block_size)
-        num_blocks = plan_num_blocks(config.setting.block_manager, bytes_per_block, self.device, max_useful)
-        # Prefix cache on a sliding-window model: the sliding layers get their own SWA block pool, so a cached
-        # prefix's SWA copy can be evicted on its own (SWACacheManager); as many blocks as the FA pool by default.
-        # (Tensor-parallel ranks keep one pool: sliding layers then read the FA tables, as without the cache.)
-        windows = [w for w in self.shape.sliding_windows if w is not None]
-        use_swa_pool = bool(windows) and sched.enable_auto_prefix_cache and tp_size == 1
-        sliding_window = max(windows) if use_swa_pool else None
-        num_swa_blocks = (config.setting.block_manager.num_swa_blocks or num_blocks) if use_swa_pool else 0
-        self.kv_cache = run_in_fresh_thread(KVCache.allocate, kv_shape, num_blocks, block_size, self.dtype,
-                                            self.device, num_swa_blocks=num_swa_blocks,
+        self.layout = plan_layout(config, self.shape, budget_shape, self.device, self.dtype)
+        layout = self.layout
+        self.max_token_len = layout.max_token_len
+        self.kv_cache = run_in_fresh_thread(KVCache.allocate, kv_shape, layout.num_blocks, layout.block_size,
+                                            self.dtype, self.device, num_swa_blocks=layout.num_swa_blocks,
                                             head_major=self.model.kv_head_major)
-        logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)%s", num_blocks, block_size,
-                    num_blocks * block_size, num_blocks * bytes_per_block / 2**20,
-                    f", {num_swa_blocks} SWA blocks" if num_swa_blocks else "")
+        logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)%s", layout.num_blocks,
+                    layout.block_size, layout.num_blocks * layout.block_size,
+                    layout.num_blocks * layout.bytes_per_block / 2**20,
+                    f", {layout.num_swa_blocks} SWA blocks" if layout.num_swa_blocks else "")
 
         if self.tp_runner is None:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device)
@@ -128,11 +181,10 @@ class InferenceEngine:
             if self.tp_runner is not None:
                 raise ConfigError("config key 'setting.block_manager.remote_cache_dir': remote cache loading "
                                   "is not implemented with tensor parallelism")
-            remote_store = FilesystemKVStore(remote_dir, store_namespace(self.model_dir, block_size, self.dtype))
+            remote_store = FilesystemKVStore(remote_dir,
+                                             store_namespace(self.model_dir, layout.block_size, self.dtype))
             self.runner.remote_store = remote_store
-        self.cache_manager = make_cache_manager(num_blocks, block_size, sched.enable_auto_prefix_cache,
-                                                sliding_window, num_swa_blocks, remote_store)
-        self.scheduler = BatchScheduler(sched, block_size, num_blocks, self.max_token_len)
+        self.scheduler, self.cache_manager = build_scheduling(config, layout, remote_store)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.shape)
         # Every forward of the engine's life on one thread, across loops (each generate, a server's life): one
         # OpenMP pool, and a lighter hand-off than trio's thread cache (events/lane.py).
@@ -156,12 +208,8 @@ class InferenceEngine:
 
     def build_loop(self, io_actor: Actor, clock: Clock | None = None, worker: Actor | None = None) -> EventLoop:
         """A fresh loop with the engine's scheduler, cache manager and worker, and the given I/O actor."""
-        loop = EventLoop(clock=clock)
-        loop.register(SchedulerActor(self.scheduler))
-        loop.register(CacheManagerActor(self.cache_manager))
-        loop.register(worker if worker is not None else WorkerActor(self.runner, self.forward_lane))
-        loop.register(io_actor)
-        return loop
+        worker = worker if worker is not None else WorkerActor(self.runner, self.forward_lane)
+        return assemble_loop(self.scheduler, self.cache_manager, worker, io_actor, clock)
 
 
 def _eos_token_ids(tokenizer, shape) -> tuple[int, ...]:

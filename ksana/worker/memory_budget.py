@@ -24,11 +24,12 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def plan_num_blocks(setting: BlockManagerSetting, bytes_per_block: int, device: torch.device,
-                    max_useful_blocks: int) -> int:
-    """How many blocks the pool gets; never more than could ever be in use at once (``max_useful_blocks``)."""
+                    max_useful_blocks: int, unloaded_weight_bytes: int = 0) -> int:
+    """How many blocks the pool gets; never more than could ever be in use at once (``max_useful_blocks``).
+    ``unloaded_weight_bytes``: weights still to load, taken off the free memory (the simulator loads none)."""
     if setting.num_device_blocks > 0:
         return setting.num_device_blocks
-    free = available_memory_bytes(device)
+    free = max(0, available_memory_bytes(device) - unloaded_weight_bytes)
     usable = free * (1.0 - setting.reserved_device_memory_ratio) * setting.block_device_memory_ratio
     num_blocks = min(int(usable // bytes_per_block), max_useful_blocks)
     if num_blocks < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import distribution
@@ -39,9 +40,12 @@ print(json.dumps({"tokens": out[0].outputs[0].token_ids, "ksana": ksana.__file__
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The project built as a wheel and installed, without its dependencies, into a folder of its own."""
-    target = tmp_path_factory.mktemp("site")
+    source, target = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("site")
+    # A copy of what the wheel is built from, so that the build's own folders stay out of the checkout.
+    shutil.copytree(REPO, source, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", "bench", "tests", "tools", "notebooks"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(REPO)], check=True, timeout=600)
+                    "--no-index", "--target", str(target), str(source)], check=True, timeout=600)
     return target
 
 

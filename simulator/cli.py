@@ -1,0 +1,174 @@
+"""``ksana simulate``: predict serving latency with the engine's own scheduler on a virtual clock.
+
+    ksana simulate --profile FIT_OR_PERF.json --trace trace.jsonl --out report.json
+    ksana simulate --profile FIT_OR_PERF.json --rate 4 --num-requests 1000 --input-len 32:512 --output-len 16:256
+    ksana simulate fit model_perf_result.json [more.json ...] --out fit.json
+    ksana simulate sweep --out sweep_batch_config.json [--max-batch-size 64 --split-fuse-token-num 256 ...]
+    ksana simulate trace --rate 4 --num-requests 100 --input-len 32:512 --output-len 16:256 --out trace.jsonl
+
+Bad input (a profile of another model or dtype, a malformed trace, an unknown SLO metric) is one line naming the
+file, line or key, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ksana.config_flags import add_config_flags, config_overrides
+
+SLO_NAMES = ("ttft", "tpot", "e2el")
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        low_i, high_i = int(low), int(high or low)
+    except ValueError:
+        low_i = high_i = 0
+    if not 1 <= low_i <= high_i:
+        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return low_i, high_i
+
+
+def _slo(text: str) -> tuple[str, float]:
+    name, _, value = text.partition(":")
+    if name not in SLO_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown SLO metric {name!r} in {text!r} (one of {', '.join(SLO_NAMES)})")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {name}:MILLISECONDS, got {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 (or inf), got {text!r}")
+    return value
+
+
+def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate", type=_positive_float, default=math.inf,
+                        help="requests per second (default inf: all at once)")
+    parser.add_argument("--num-requests", type=int, default=100)
+    parser.add_argument("--input-len", type=_range, default=(32, 256), help="prompt lengths, N or LOW:HIGH")
+    parser.add_argument("--output-len", type=_range, default=(16, 128), help="output lengths, N or LOW:HIGH")
+    parser.add_argument("--burstiness", type=_positive_float, default=1.0,
+                        help="gamma shape of the gaps between arrivals (1: Poisson; below 1: burstier)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_simulate_parser(subparsers) -> None:
+    sim = subparsers.add_parser("simulate", help="predict serving latency on a virtual clock from a perf profile",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(sim)
+    sim.add_argument("--profile", help="a latency fit (ksana simulate fit) or a raw perf result, fitted on the fly")
+    sim.add_argument("--trace", help="JSONL trace (arrival_time_s, prompt_len, output_len[, prompt_token_ids])")
+    _add_workload_flags(sim)
+    sim.add_argument("--goodput", type=_slo, nargs="+", metavar="METRIC:MS", help="SLOs: ttft:500 tpot:50 e2el:2000")
+    sim.add_argument("--out", default="simulation.json", help="report JSON (the load generator's schema)")
+    sim.add_argument("--chrome-trace", help="also write the run's message trace as Chrome trace JSON here")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sim.set_defaults(func=_cmd_simulate)
+    sub = sim.add_subparsers(dest="simulate_command")
+
+    fit = sub.add_parser("fit", help="fit a latency model from perf results and report its held-out error")
+    fit.add_argument("results", nargs="+", help="model_perf_result.json files of one configuration")
+    fit.add_argument("--out", default="latency_fit.json")
+    fit.set_defaults(func=_cmd_fit)
+
+    sweep = sub.add_parser("sweep", help="write a profiling batch_config.json covering what serving produces")
+    sweep.add_argument("--out", default="sweep_batch_config.json")
+    sweep.add_argument("--max-batch-size", type=int, default=64)
+    sweep.add_argument("--max-step-tokens", type=int, default=4096)
+    sweep.add_argument("--split-fuse-token-num", type=int, default=0)
+    sweep.add_argument("--max-context", type=int, default=2048, help="longest sequence to profile")
+    sweep.set_defaults(func=_cmd_sweep)
+
+    trace = sub.add_parser("trace", help="write a synthetic JSONL trace (the same for the load generator)")
+    _add_workload_flags(trace)
+    trace.add_argument("--out", default="trace.jsonl")
+    trace.set_defaults(func=_cmd_trace)
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from ksana.simulator.fit import fit_profile
+    from ksana.simulator.profile import load_profile
+
+    result = fit_profile(load_profile(args.results))
+    print(format_fit(result.to_json()))
+    print(f"wrote {result.save(args.out)}")
+    return 0
+
+
+def format_fit(fit: dict[str, Any]) -> str:
+    lines = [f"{'model':<22}{'held-out rel. error: mean':>28}{'p90':>8}{'max':>8}"]
+    rows = [("worker (this fit)", fit["worker_ms"]), ("worker (DistServe)", fit["baseline_worker_ms"]),
+            ("engine around a step", fit["engine_ms"])]
+    rows += [(f"operators: {name}", model) for name, model in fit["groups_ms"].items()]
+    for label, model in rows:
+        err = model["held_out_rel_error"]
+        lines.append(f"{label:<22}{err['mean']:>27.1%} {err['p90']:>7.1%} {err['max']:>7.1%}")
+    return "\n".join(lines)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from ksana.simulator.sweep import sweep_batches, write_batch_config
+
+    batches = sweep_batches(args.max_batch_size, args.max_step_tokens, args.split_fuse_token_num, args.max_context)
+    print(f"wrote {write_batch_config(args.out, batches)} ({len(batches)} batches)")
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from ksana.bench.trace import synthetic_trace, write_trace
+
+    requests = synthetic_trace(args.num_requests, args.rate, args.input_len, args.output_len, args.burstiness,
+                               args.seed)
+    print(f"wrote {write_trace(args.out, requests)} ({len(requests)} requests)")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from ksana.simulator.report import build_report
+    from ksana.simulator.simulate import prepare, run_simulation
+
+    from ksana.bench.trace import read_trace, synthetic_trace
+
+    if args.profile is None:
+        raise ValueError("ksana simulate needs --profile (a latency fit or a perf result)")
+    setup = prepare(args.model, args.config, config_overrides(args), args.profile)
+    if args.trace:
+        requests, dataset = read_trace(args.trace), args.trace
+    else:
+        requests = synthetic_trace(args.num_requests, args.rate, args.input_len, args.output_len, args.burstiness,
+                                   args.seed)
+        dataset = "synthetic"
+    result = run_simulation(setup, requests, seed=args.seed, progress=not args.no_progress,
+                            trace_capacity=1_000_000 if args.chrome_trace else 0, source=args.trace or "workload")
+    report = build_report(result.timelines, model=setup.config.model_spec.base_model.model_dir,
+                          request_rate=args.rate, burstiness=args.burstiness, dataset=dataset, seed=args.seed,
+                          goodput=dict(args.goodput or []))
+    report["simulation"] = {"wall_s": result.wall_s, "num_steps": len(result.steps),
+                            "num_blocks": setup.layout.num_blocks, "block_size": setup.layout.block_size,
+                            "profile": str(args.profile), "fit_identity": setup.fit.identity}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.chrome_trace and result.trace is not None:
+        result.trace.write_chrome_trace(args.chrome_trace)
+    from ksana.bench.serve import print_table
+
+    print_table(report, [50.0, 90.0, 99.0])
+    print(f"simulated {len(requests)} requests ({len(result.steps)} steps) in {result.wall_s:.1f} s; wrote {out}",
+          file=sys.stderr)
+    return 0

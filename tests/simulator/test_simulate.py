@@ -1,0 +1,111 @@
+"""The simulator drives the engine's own scheduler and cache manager on a virtual clock: times follow the fit
+exactly, async scheduling hides the engine's time, a small KV pool preempts, and every request gets its tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from ksana.simulator.fit import check_identity
+from ksana.simulator.profile import ProfileError
+from ksana.simulator.report import build_report
+from ksana.simulator.simulate import prepare, run_simulation
+
+from ksana.bench.trace import TraceError, TraceRequest
+from tests.simulator.fits import linear_fit
+
+
+@pytest.fixture(scope="module")
+def identity(tmp_path_factory):
+    """The demo model's identity, as a profile of it would carry."""
+    fit_path = tmp_path_factory.mktemp("fit") / "fit.json"
+    linear_fit({}).save(fit_path)
+    setup = prepare("demo", None, {}, fit_path)
+    shape = setup.shape
+    return {"model_type": shape.model_type, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers,
+            "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+            "intermediate_size": shape.intermediate_size, "vocab_size": shape.vocab_size, "dtype": "float32",
+            "device_type": "cpu"}
+
+
+def _setup(tmp_path, identity, overrides=None, **fit_kwargs):
+    path = tmp_path / "fit.json"
+    linear_fit(identity, **fit_kwargs).save(path)
+    return prepare("demo", None, {"dtype": "float32", **(overrides or {})}, path)
+
+
+def _ms(times):
+    return [round(t * 1000, 6) for t in times]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_lone_request_follows_the_fit(tmp_path, identity, async_scheduling):
+    """Prefill of 100 tokens: 10 + 0.1 * 100 = 20 ms; each decode 10 ms; 5 ms of engine time per step. Without
+    async scheduling every step waits for the engine; with it the engine's time hides behind the forward."""
+    setup = _setup(tmp_path, identity, {"async_scheduling": async_scheduling}, engine_ms=5.0)
+    result = run_simulation(setup, [TraceRequest(0.0, 100, 3)], progress=False)
+    (timeline,) = result.timelines
+    expected = [25.0, 40.0, 55.0] if not async_scheduling else [25.0, 35.0, 45.0]
+    assert _ms(timeline.token_times_s) == expected
+    assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.02, 0.01, 0.01]
+
+
+def test_arrivals_wait_for_the_running_step(tmp_path, identity):
+    """A request arriving while a step runs joins the next step; its TTFT counts from its arrival."""
+    setup = _setup(tmp_path, identity, {"async_scheduling": False})
+    result = run_simulation(setup, [TraceRequest(0.0, 100, 2), TraceRequest(0.005, 50, 2)], progress=False)
+    first, second = result.timelines
+    assert _ms(first.token_times_s) == [20.0, 35.0]  # step 2 holds the second prefill (50 tokens) and a decode
+    assert _ms(second.token_times_s) == [35.0, 45.0]
+    report = build_report(result.timelines, model="demo", request_rate=math.inf, burstiness=1.0, dataset="t",
+                          seed=0, goodput={"ttft": 25.0})
+    assert [round(r["ttft"] * 1000, 6) for r in report["requests"]] == [20.0, 30.0]
+    assert [round(r["queueing_time"] * 1000, 6) for r in report["requests"]] == [0.0, 15.0]
+    assert report["completed"] == 2 and report["total_output_tokens"] == 4
+    assert report["request_goodput"] == pytest.approx(1 / 0.045)  # only the first meets TTFT <= 25 ms
+
+
+def test_a_small_kv_pool_preempts_and_every_request_completes(tmp_path, identity):
+    requests = [TraceRequest(0.0, 120, 60) for _ in range(8)]
+    roomy = run_simulation(_setup(tmp_path, identity, {"num_device_blocks": 200}), requests, progress=False)
+    tight = run_simulation(_setup(tmp_path, identity, {"num_device_blocks": 24}), requests, progress=False)
+    for result in (roomy, tight):
+        assert [len(t.token_times_s) for t in result.timelines] == [60] * 8
+    assert sum(t.num_preemptions for t in roomy.timelines) == 0
+    assert sum(t.num_preemptions for t in tight.timelines) > 0
+    assert max(t.finished_s for t in tight.timelines) > max(t.finished_s for t in roomy.timelines)
+
+
+def test_settings_move_the_prediction(tmp_path, identity):
+    """A larger batch finishes a burst sooner when decode steps cost little per row; chunked prefill spreads a
+    long prompt over more steps, so its first token comes later."""
+    burst = [TraceRequest(0.0, 32, 40) for _ in range(32)]
+
+    def makespan(**overrides):
+        setup = _setup(tmp_path, identity, overrides, decode_row_ms=0.2)
+        return max(t.finished_s for t in run_simulation(setup, burst, progress=False).timelines)
+
+    assert makespan(max_batch_size=32) < makespan(max_batch_size=4)
+
+    def ttft(**overrides):
+        setup = _setup(tmp_path, identity, overrides)
+        return run_simulation(setup, [TraceRequest(0.0, 1000, 2)], progress=False).timelines[0].token_times_s[0]
+
+    assert ttft(split_fuse_token_num=128) > ttft(split_fuse_token_num=0)
+
+
+def test_a_fit_of_another_model_is_refused(tmp_path, identity):
+    path = tmp_path / "fit.json"
+    linear_fit({**identity, "hidden_size": identity["hidden_size"] * 2}).save(path)
+    with pytest.raises(ProfileError, match=f"{path}: profiled for another configuration .*hidden_size"):
+        prepare("demo", None, {"dtype": "float32"}, path)
+    with pytest.raises(ProfileError, match="dtype: profile 'float32', engine 'bfloat16'"):
+        check_identity(linear_fit(identity), {**identity, "dtype": "bfloat16"}, "fit.json")
+
+
+def test_a_request_longer_than_the_model_is_refused(tmp_path, identity):
+    setup = _setup(tmp_path, identity)
+    too_long = setup.layout.max_token_len
+    with pytest.raises(TraceError, match=r"t.jsonl: request 1 \(line 2\): prompt_len \+ output_len"):
+        run_simulation(setup, [TraceRequest(0.0, 10, 2), TraceRequest(1.0, too_long, 1)], progress=False,
+                       source="t.jsonl")
