@@ -6,7 +6,7 @@ prompts at once and batches continuously. Output tokens/s counts each prompt's o
 (``ignore_eos``), so padding and overshoot are the baseline's cost, as they are for its users.
 
     python bench/throughput.py                 # smollm2: 64 prompts (32-256 in, 64-512 out), float32 and bfloat16
-    python bench/throughput.py --quick         # 8 prompts, short outputs: checks the script
+    python bench/throughput.py --quick         # the demo model, 8 short prompts: checks the script
     python bench/throughput.py --dtypes float32 --hf-batch-sizes 8,32,64
     python bench/throughput.py --dtypes bfloat16 --hf-batch-sizes 32 --hf-batches 1   # transformers' first batch
 
@@ -122,10 +122,12 @@ def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--quick", action="store_true", help="8 prompts, short outputs: checks the script")
+    parser.add_argument("--model", help="default smollm2 (demo with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the demo model, 8 short prompts, transformers at batch 8 only: checks the script")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--hf-batch-sizes", default="32,64", help="transformers' static batch sizes to try")
+    parser.add_argument("--hf-batch-sizes", help="transformers' static batch sizes to try (default 32,64; 8 with "
+                                                 "--quick)")
     parser.add_argument("--hf-batches", type=int, default=None,
                         help="run transformers on its first N static batches only (default: the whole workload)")
     parser.add_argument("--out", help="result JSON (default bench/results/throughput_<machine kind>.json, "
@@ -133,16 +135,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.hf_batches is not None and args.hf_batches < 1:
         parser.error(f"--hf-batches must be at least 1, got {args.hf_batches}")
+    args.model = args.model or ("demo" if args.quick else "smollm2")
     torch.manual_seed(0)
 
     from ksana.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(resolve_model_dir(args.model)))
     if args.quick:
-        prompts, outputs = make_workload(vocab, 8, (32, 64), (8, 32))
+        prompts, outputs = make_workload(vocab, 8, (16, 32), (4, 16))
     else:
         prompts, outputs = make_workload(vocab, 64, (32, 256), (64, 512))
-    hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    hf_batch_sizes = [int(b) for b in (args.hf_batch_sizes or ("8" if args.quick else "32,64")).split(",")]
 
     report = {
         "model": args.model,
