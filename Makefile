@@ -32,7 +32,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/throughput.py
 
-# On a CUDA machine: the kernel tests natively (no interpreter) and bench/kernels.py, as one table.
+# On a CUDA machine: the kernel tests natively (no interpreter) and bench/kernel_ops.py, as one table.
 gpu-check: $(STAMP)
 	bash bench/gpu_check.sh
 

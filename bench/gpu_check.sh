@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: the kernel tests compiled for the GPU (no TRITON_INTERPRET), then bench/kernels.py; one table.
+# GPU check: the kernel tests compiled for the GPU (no TRITON_INTERPRET), then bench/kernel_ops.py; one table.
 #
 #   bash bench/gpu_check.sh            # from the repository root, on a machine with CUDA and triton
 #   PYTHON=python3 bash bench/gpu_check.sh
@@ -30,7 +30,7 @@ started=$SECONDS
 tests_status=$?
 test_seconds=$((SECONDS - started))
 
-bench_output=$("$PYTHON" bench/kernels.py --out bench/results/kernels_gpu.json 2>&1)
+bench_output=$("$PYTHON" bench/kernel_ops.py 2>&1)   # writes bench/results/kernels_<GPU kind>.json
 bench_status=$?
 
 summary=$(grep -E "passed|failed|error" "$log" | tail -n 1)
@@ -43,6 +43,6 @@ if [[ $tests_status -ne 0 ]]; then
 fi
 echo "$bench_output"
 if [[ $bench_status -ne 0 ]]; then
-    echo "gpu-check: bench/kernels.py failed (status $bench_status)" >&2
+    echo "gpu-check: bench/kernel_ops.py failed (status $bench_status)" >&2
 fi
 exit $((tests_status != 0 || bench_status != 0))

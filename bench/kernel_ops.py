@@ -1,7 +1,11 @@
 """Kernel benchmark: each fast kernel against its torch reference, against the device's measured ceilings.
 
-    python bench/kernels.py              # CUDA: Triton against torch; CPU: the native C kernels against torch
-    python bench/kernels.py --quick      # shapes 8x smaller, fewer repeats: checks the script
+    python bench/kernel_ops.py           # CUDA: Triton against torch; CPU: the native C kernels against torch
+    python bench/kernel_ops.py --quick   # shapes 8x smaller, fewer repeats: checks the script
+
+A full run writes ``bench/results/kernels_<machine kind>.json`` (the GPU's kind where there is one), a ``--quick``
+one ``kernels_quick.json``. (The script is not called ``kernels.py``: run from ``bench/``, that name would shadow
+the ``kernels`` package.)
 
 The ceilings are measured here, not quoted from a datasheet: a large device-to-device copy (bytes read plus
 bytes written per second) and a large matmul in the benchmark dtype. Memory-bound ops report the bandwidth of
@@ -34,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ksana.kernels import activation, attention, norm, rotary  # noqa: E402
 from ksana.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
-from ksana.bench.results import write_json  # noqa: E402
+from ksana.bench.results import default_out, write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -332,7 +336,8 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="8x smaller shapes and fewer repeats")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
-    parser.add_argument("--out", default=str(RESULTS / "ksana.kernels.json"))
+    parser.add_argument("--out", help="result JSON (default bench/results/kernels_<machine kind>.json, "
+                                      "kernels_quick.json with --quick)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -409,7 +414,7 @@ def main() -> None:
         "results": results,
     }
     print()
-    write_json(report, args.out)
+    write_json(report, args.out or default_out(RESULTS, "kernels", quick=args.quick))
 
 
 def _triton_version() -> str:

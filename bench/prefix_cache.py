@@ -2,7 +2,8 @@
 
 Cache on vs off: mean/p50 TTFT, wall time and output throughput. Then the overhead at a 0% hit rate: 64 distinct
 prompts of the same shape, cache on vs off, alternating runs, median of ``--repeats`` each (vLLM reports < 1%;
-the target here is < 2%). Prints a table and writes ``bench/results/prefix_cache.json``.
+the project's target is < 2%). Prints a table and writes ``bench/results/prefix_cache_<machine kind>.json``
+(``prefix_cache_quick.json`` with ``--quick``).
 
     python bench/prefix_cache.py                  # the built-in demo model, float32
     python bench/prefix_cache.py --model smollm2   # a real model (slow on CPU)
@@ -25,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ksana.events import Actor, handles  # noqa: E402
 
-from ksana.bench.results import write_json  # noqa: E402
+from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.config import load_config  # noqa: E402
 from ksana.engine import InferenceEngine  # noqa: E402
 from ksana.messages import AddRequests, TokensOut  # noqa: E402
@@ -100,9 +101,11 @@ def engine_for(model: str, prefix_cache: bool, num_blocks: int) -> InferenceEngi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="16 requests, 256-token system prompt")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", help="result JSON (default bench/results/prefix_cache_<machine kind>.json, "
+                                      "prefix_cache_quick.json with --quick)")
     args = parser.parse_args()
     num, system_len, suffix_len = (16, 256, 64) if args.quick else (64, 1024, 64)
     num_blocks = num * (-(-(system_len + suffix_len + args.max_tokens) // 16)) + 16
@@ -138,8 +141,9 @@ def main() -> None:
     out = {"model": args.model, "num_requests": num, "system_prompt_tokens": system_len, "suffix_tokens": suffix_len,
            "max_tokens": args.max_tokens, "runs": rows, "zero_hit_seconds": {"off": overhead_runs[False],
                                                                               "on": overhead_runs[True]},
-           "zero_hit_overhead": overhead, "prefix_cache_hit_token_num": hit_tokens, "platform": platform.platform()}
-    write_json(out, RESULTS / "prefix_cache.json")
+           "zero_hit_overhead": overhead, "prefix_cache_hit_token_num": hit_tokens, "platform": platform.platform(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json(out, args.out or default_out(RESULTS, "prefix_cache", quick=args.quick))
 
 
 if __name__ == "__main__":

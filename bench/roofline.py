@@ -12,16 +12,16 @@
    nothing but that one uninterrupted matmul could not beat it; "step/kernel" sets the step against it.
 2. Decode at batch 1 and 16 (float32) through ``LLM.generate``: B prompts of a fixed context, ``ignore_eos``.
    Every configuration runs ``decode_passes`` times, the passes one after the other (each configuration once,
-   then again), and the fastest pass (lowest median step) counts, as the fastest ceiling measurement does: this
-   VM's speed drifts by 20-40% within minutes, and best against best compares the machine with itself. Per
+   then again), and the fastest pass (lowest median step) counts, as the fastest ceiling measurement does: a
+   shared VM's speed drifts by 20-40% within minutes, and best against best compares the machine with itself. Per
    steady decode step (every row decoding, the full batch), the worker step (``ExecuteStep`` handling in the
    event trace) and the whole step (from one ``ExecuteStep`` start to the next, and from one ``TokensOut`` to the
    next) against the bound max(bytes read / bandwidth, FLOPs / matmul rate). Bytes: every weight once (the
    lm_head as vocab x hidden, tied or not; the embedding lookup only its B rows) plus each sequence's KV; FLOPs:
    2 x matmul parameters x tokens plus attention's 4 x kv_len x heads x head_dim per token and layer. Both come
    from the model's ``ModelShape``. Beside it, "paired": each pass against the ceilings measured just before and
-   after it, the median over the passes (``paired_ratios``), which a ceiling caught in a fast minute of the VM
-   cannot set against steps from a slow one.
+   after it, the median over the passes (``paired_ratios``), which a ceiling caught in a fast minute of the
+   machine cannot set against steps from a slow one.
 3. Prefill of one 512-token prompt: Ksana's prefill step (from the trace) against ``transformers``'
    ``AutoModelForCausalLM`` forward of the same tokens (``logits_to_keep=1``, as its ``generate`` does), in
    float32 and bfloat16, the two engines alternating run by run.
@@ -35,6 +35,8 @@ this engine's ``runner.execute`` (``StepRecorder``).
 
     python bench/roofline.py            # smollm2: decode at contexts 128 and 512, prefill of 512 tokens
     python bench/roofline.py --quick    # the demo model, small shapes: checks the script in seconds
+
+A full run writes ``bench/results/roofline_<machine kind>.json``, a ``--quick`` one ``roofline_quick.json``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from ksana.events.trace import TraceRecord  # noqa: E402
 from ksana.kernels.dispatch import get_ops  # noqa: E402
 
 from ksana import LLM, SamplingParams  # noqa: E402
-from ksana.bench.results import write_json  # noqa: E402
+from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
 from ksana.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
@@ -96,9 +98,9 @@ def measure_read_bandwidth(mib: int, repeats: int, one_row: dict[str, Any]) -> d
     """Bytes/s reading ``mib`` MiB of float32 on all intra-op threads, best of repeats of three readers: a flat
     ``sum``, a matrix-vector product (the decode step's own access pattern) and ``one_row``, the engine's
     projection kernel streaming a weight of the same size at one input row (``measure_streamed_matmul``). The
-    machine reads at least as fast as the fastest of them, so that one is the ceiling: the kernel, which prefetches
-    its stream in software, read 32.1 GB/s where ``sum`` read 27.0 (session 11's final run), and leaving it out
-    flattered every ratio."""
+    machine reads at least as fast as the fastest of them, so that one is the ceiling: the kernel prefetches its
+    stream in software and can outread ``sum`` (``roofline_*.json``'s ``by_reader_bytes_per_s``), and a ceiling
+    below what the machine demonstrably reads would flatter every ratio."""
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     matrix = x.view(1024, -1)
     vector = torch.ones(matrix.shape[1])
@@ -135,7 +137,7 @@ def best_ceilings(*runs: dict[str, Any]) -> dict[str, Any]:
 def raise_to_decode_rate(ceilings: dict[str, Any], decode: list[dict[str, Any]], shape: ModelShape) -> dict[str, Any]:
     """The read ceiling, raised to the fastest rate a decode run read its bytes at (median step period) where
     that is higher: a step cannot read faster than the machine, so a lower measured ceiling was taken in a slow
-    phase of this VM, and keeping it would flatter every ratio."""
+    phase of a shared machine, and keeping it would flatter every ratio."""
     rates = {f"batch{d['batch']}_ctx{d['context']}": statistics.median(
         decode_step_cost(shape, s["seq_lens"])["bytes"] / s["period_s"] for s in d["steps"]) for d in decode}
     measured = ceilings["read_bandwidth"]
@@ -149,9 +151,9 @@ def raise_to_decode_rate(ceilings: dict[str, Any], decode: list[dict[str, Any]],
 
 def measure_matmul_rate(n: int, repeats: int) -> dict[str, Any]:
     """FLOP/s of an n x n x n float32 GEMM, best of repeats, the faster of two kernels: ``torch.mm`` and the engine's
-    own projection kernel (a projection of ``get_ops("cpu")`` over the packed weight, where it runs). Why both: in one
-    session-12 run torch's ``mm`` (and its ``sum`` and ``mv``) ran at half their usual rate while the engine's
-    kernels did not, and a halved matmul ceiling made batch 16's bound its FLOPs and its ratio look met."""
+    own projection kernel (a projection of ``get_ops("cpu")`` over the packed weight, where it runs). Why both:
+    torch's ``mm`` can run at half its usual rate while the engine's kernels do not, and a halved matmul ceiling
+    makes batch 16's bound its FLOPs and its ratio look met."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
     kernels = {"torch.mm": lambda: torch.mm(a, b, out=out)}
@@ -171,8 +173,8 @@ def measure_streamed_matmul(mib: int, in_features: int, rows: int, repeats: int)
     """Weight bytes/s of the engine's CPU projection (``lm_head`` of ``get_ops("cpu")``: the packed AVX2 or
     AVX-512 kernel where it runs, BLAS otherwise) over one ``mib`` MiB float32 weight with ``in_features``
     columns, at ``rows`` input rows; best of repeats. At the default 512 MiB the weight is larger than the L3 of
-    the VMs measured (32 and 260 MB), so every pass streams it from memory (``--quick``'s 64 MiB only checks the
-    script)."""
+    the machines in ``bench/README.md`` (16-480 MB), so every pass streams it from memory (``--quick``'s 64 MiB
+    only checks the script)."""
     ops = get_ops("cpu")
     weight = torch.randn(mib * 2**20 // (4 * in_features), in_features) * 0.02
     nbytes = weight.numel() * 4
@@ -623,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the demo model, small shapes: checks the script")
     parser.add_argument("--model", help="override the model (default smollm2; demo with --quick)")
     parser.add_argument("--decode-tokens", type=int, help="decode steps per run")
-    parser.add_argument("--out", default=str(RESULTS / "roofline.json"))
+    parser.add_argument("--out", help="result JSON (default bench/results/roofline_<machine kind>.json, "
+                                      "roofline_quick.json with --quick)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     if args.model:
@@ -634,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_bench(settings)
     print(format_report(report))
     print()
-    write_report(report, Path(args.out))
+    write_report(report, Path(args.out) if args.out else default_out(RESULTS, "roofline", quick=args.quick))
     return 0
 
 

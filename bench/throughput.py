@@ -6,10 +6,11 @@ prompts at once and batches continuously. Output tokens/s counts each prompt's o
 (``ignore_eos``), so padding and overshoot are the baseline's cost, as they are for its users.
 
     python bench/throughput.py                 # smollm2: 64 prompts (32-256 in, 64-512 out), float32 and bfloat16
-    python bench/throughput.py --quick         # a smaller run to check the script
+    python bench/throughput.py --quick         # the demo model, 8 short prompts: checks the script
     python bench/throughput.py --dtypes float32 --hf-batch-sizes 8,32,64
-    python bench/throughput.py --dtypes bfloat16 --hf-batch-sizes 32 --hf-batches 1 \
-        --out bench/results/throughput_bfloat16.json   # transformers on its first batch of 32 only
+    python bench/throughput.py --dtypes bfloat16 --hf-batch-sizes 32 --hf-batches 1   # transformers' first batch
+
+A full run writes ``bench/results/throughput_<machine kind>.json``, a ``--quick`` one ``throughput_quick.json``.
 
 ``--hf-batches N`` runs ``transformers`` on its first N static batches only and counts the tokens/s over them:
 each static batch is an independent ``generate``, so its rate is the baseline's rate at that batch size, and on
@@ -30,7 +31,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ksana import LLM, SamplingParams  # noqa: E402
-from ksana.bench.results import write_json  # noqa: E402
+from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -90,8 +91,7 @@ def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes
     The order matters on a small CPU: libgomp keeps an OpenMP pool for each thread that ran a parallel region and
     throttles them all once they outnumber the CPUs (see ksana/worker/fresh_thread.py), so a Ksana run after
     ``transformers`` had run here would be slowed by this thread's pool. Each Ksana run closes its engine, whose
-    forward thread ends with its pool, so the ``transformers`` runs have the CPUs' pools to themselves. (Before
-    session 14 that thread outlived its engine, and every ``transformers`` run here ran beside its idle pool.)"""
+    forward thread ends with its pool, so the ``transformers`` runs have the CPUs' pools to themselves."""
     ksana = {}
     for dtype_name in dtype_names:
         print(f"{dtype_name}: ksana ...", flush=True)
@@ -122,26 +122,30 @@ def run_all(model: str, dtype_names: list[str], prompts, outputs, hf_batch_sizes
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--quick", action="store_true", help="8 prompts, short outputs: checks the script")
+    parser.add_argument("--model", help="default smollm2 (demo with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the demo model, 8 short prompts, transformers at batch 8 only: checks the script")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--hf-batch-sizes", default="32,64", help="transformers' static batch sizes to try")
+    parser.add_argument("--hf-batch-sizes", help="transformers' static batch sizes to try (default 32,64; 8 with "
+                                                 "--quick)")
     parser.add_argument("--hf-batches", type=int, default=None,
                         help="run transformers on its first N static batches only (default: the whole workload)")
-    parser.add_argument("--out", default=str(RESULTS / "throughput.json"))
+    parser.add_argument("--out", help="result JSON (default bench/results/throughput_<machine kind>.json, "
+                                      "throughput_quick.json with --quick)")
     args = parser.parse_args()
     if args.hf_batches is not None and args.hf_batches < 1:
         parser.error(f"--hf-batches must be at least 1, got {args.hf_batches}")
+    args.model = args.model or ("demo" if args.quick else "smollm2")
     torch.manual_seed(0)
 
     from ksana.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(resolve_model_dir(args.model)))
     if args.quick:
-        prompts, outputs = make_workload(vocab, 8, (32, 64), (8, 32))
+        prompts, outputs = make_workload(vocab, 8, (16, 32), (4, 16))
     else:
         prompts, outputs = make_workload(vocab, 64, (32, 256), (64, 512))
-    hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    hf_batch_sizes = [int(b) for b in (args.hf_batch_sizes or ("8" if args.quick else "32,64")).split(",")]
 
     report = {
         "model": args.model,
@@ -163,7 +167,7 @@ def main() -> None:
     if args.hf_batches is not None:
         print(f"(transformers ran its first {args.hf_batches} static batch(es) at each size only: --hf-batches)")
     print()
-    write_json(report, args.out)
+    write_json(report, args.out or default_out(RESULTS, "throughput", quick=args.quick))
 
 
 if __name__ == "__main__":

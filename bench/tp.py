@@ -23,7 +23,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ksana import LLM, SamplingParams  # noqa: E402
-from ksana.bench.results import write_json  # noqa: E402
+from ksana.bench.results import default_out, write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -51,7 +51,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="4 prompts of 16 tokens, 8 new tokens")
-    parser.add_argument("--out", default=str(RESULTS / "tp.json"))
+    parser.add_argument("--out", help="result JSON (default bench/results/tp_<machine kind>.json, tp_quick.json "
+                                      "with --quick)")
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.prompt_len, args.max_tokens = 4, 16, 8
@@ -73,12 +74,12 @@ def main() -> int:
         print(f"{r['model']:<10} {r['tensor_para_size']:>3} {r['load_s']:>7.2f} {r['elapsed_s']:>7.2f} "
               f"{r['num_output_tokens']:>8} {r['output_tokens_per_s']:>8.1f} {r.get('speedup_vs_tp1', 1.0):>7.3f} "
               f"{str(r.get('greedy_tokens_equal_tp1', '')):>5}")
-    report = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                          "torch": torch.__version__, "threads_tp1": torch.get_num_threads()},
+    report = {"platform": platform.platform(), "threads_tp1": torch.get_num_threads(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                            "max_tokens": args.max_tokens, "greedy": True},
               "results": rows}
-    write_json(report, args.out)
+    write_json(report, args.out or default_out(RESULTS, "tp", quick=args.quick))
     return 0
 
 

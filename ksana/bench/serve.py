@@ -31,6 +31,8 @@ from typing import Any
 import attrs
 import orjson
 
+from ksana.bench.results import write_json
+
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -403,7 +405,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let requests stop at EOS (default: ignore_eos, so each gets its output length)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
-    parser.add_argument("--result-file", default=str(Path(__file__).parent / "results" / "serve.json"))
+    parser.add_argument("--result-file", default="serve.json", help="result JSON (default %(default)s, in the "
+                                                                   "current directory)")
 
 
 def _server_info(args: argparse.Namespace) -> dict[str, Any]:
@@ -438,10 +441,7 @@ def run(args: argparse.Namespace) -> int:
     results, duration = trio.run(benchmark, args, requests, model)
     summary = summarize(args, requests, results, duration, model)
     print_table(summary, args.metric_percentiles)
-    out = Path(args.result_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
-    print(f"wrote {out}")
+    write_json(summary, args.result_file, options=orjson.OPT_SERIALIZE_NUMPY)
     return 0 if summary["completed"] else 1
 
 

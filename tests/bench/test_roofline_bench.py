@@ -12,6 +12,7 @@ import statistics
 import attrs
 import orjson
 import pytest
+import torch
 
 from ksana.models.shape import ModelShape
 from tests.bench import load_bench
@@ -210,7 +211,7 @@ def test_each_pass_is_set_against_the_ceilings_measured_beside_it(bench, report)
     paired = bench.paired_ratios(slow_then_fast, [ceilings(100.0), ceilings(100.0), ceilings(1e3)], shape)
     assert paired[0]["pass_ratios"] == pytest.approx([2.0, 2.0])
     assert paired[0]["pass_read_bytes_per_s"] == pytest.approx([100.0, 1e3])
-    # Against the run's best ceiling the slow pass would be 20x its bound: the VM's minute, not the code.
+    # Against the run's best ceiling the slow pass would be 20x its bound: a slow minute of the machine.
     assert bench.step_ratio(slow_then_fast[0][0], shape, ceilings(1e3)) == pytest.approx(20.0)
     # A pass that read faster than the measurements beside it raises its own ceiling, as the run's does.
     raised = bench.paired_ratios([[run(300.0)]], [ceilings(100.0), ceilings(200.0)], shape)[0]
@@ -225,6 +226,7 @@ def test_report_is_written_as_json_with_its_keys(bench, report, tmp_path):
     loaded = orjson.loads(out.read_bytes())
     assert {"model", "ceilings", "shape", "decode", "prefill", "overhead", "settings", "threads"} <= set(loaded)
     assert loaded["shape"]["num_layers"] == 2
+    assert loaded["machine"]["torch"] == torch.__version__ and loaded["machine"]["kind"]  # write_json adds it
     text = bench.format_report(report)
     for heading in (f"ceilings (best of {SETTINGS['decode_passes'] + 1}", "decode, float32", "paired", "prefill",
                     "engine overhead"):
