@@ -42,9 +42,11 @@ from transformers import AutoConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))  # roofline's settings and capture
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loaded by the tests
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ksana.kernels.cpu import build  # noqa: E402
+from _sources import build_library  # noqa: E402
+from ksana.kernels.cpu.build import SOURCE  # noqa: E402
 from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from roofline import Settings as RooflineSettings  # noqa: E402
 from roofline import (  # noqa: E402
@@ -96,7 +98,9 @@ class ClockedSteps:
 
 
 def clocked_ops(directory: Path) -> tuple[NativeCPUOps, ctypes.CDLL]:
-    library = build.build_library(build.SOURCE, directory, defines=("KSANA_PHASE_CLOCK",))
+    """The working tree's kernels built with ``-DKSANA_PHASE_CLOCK`` into ``directory`` (made here), with the
+    clock's two functions bound."""
+    library = build_library(SOURCE, directory / "clocked", defines=("KSANA_PHASE_CLOCK",))
     library.decode_phase_clock.argtypes = (ctypes.c_void_p, ctypes.c_int)
     library.decode_phase_clock.restype = None
     library.decode_phase_count.restype = ctypes.c_int

@@ -2833,6 +2833,10 @@ int linear_available(void) { return 1; }
     }
 DEFINE_PACKED_STUBS(f32, float)
 DEFINE_PACKED_STUBS(bf16, bf16_t)
+void unpack_weight_f32(void) { abort(); }
+void unpack_weight_bf16(void) { abort(); }
+int packed_rows_f32(void) { abort(); }
+int packed_rows_bf16(void) { abort(); }
 void decode_layers_f32(void) { abort(); }
 void decode_layers_bf16(void) { abort(); }
 void packed_linear_greedy_f32(void) { abort(); }

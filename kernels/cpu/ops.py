@@ -148,18 +148,13 @@ class NativeCPUOps:
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
-        if hasattr(library, "set_packed_prefetch_min_rows"):
-            rows = packed_prefetch_min_rows() if prefetch_min_rows is None else prefetch_min_rows
-            library.set_packed_prefetch_min_rows(rows)
-        self._unpack = {dtype: getattr(library, f"unpack_weight_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
-                        if hasattr(library, f"unpack_weight_{suffix}")}
-        self._packed_rows = {dtype: getattr(library, f"packed_rows_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
-                             if hasattr(library, f"packed_rows_{suffix}")}
-        self.bf16_blas_min_rows = bf16_blas_min_rows if torch.bfloat16 in self._unpack else None
+        rows = packed_prefetch_min_rows() if prefetch_min_rows is None else prefetch_min_rows
+        library.set_packed_prefetch_min_rows(rows)
+        self.bf16_blas_min_rows = bf16_blas_min_rows if self.has_linear else None
         self.bf16_prefill_query_chunk = bf16_prefill_query_chunk
         self._scratch = threading.local()  # each thread's unpacked weight (the worker's, perf mode's)
         self._greedy_logprobs = library.greedy_logprobs
-        available = hasattr(library, "prefill_attention_f32") and library.prefill_attention_available()
+        available = library.prefill_attention_available()
         self._prefill_attention = library.prefill_attention_f32 if available else None
         # The address table, windows and cache layout of the last ``DecodeLayers`` seen: a model passes the same
         # one each step (a new KV cache makes a new one).
@@ -281,7 +276,7 @@ class NativeCPUOps:
         if scratch is None or scratch.dtype != rows.dtype or scratch.numel() < size:
             scratch = self._scratch.buffer = torch.empty(size, dtype=rows.dtype)
         unpacked = scratch[:size].view(in_features, panels * PANEL)
-        self._unpack[rows.dtype](weight.packed.data_ptr(), panels, in_features, unpacked.data_ptr(),
+        self._fns["unpack_weight", rows.dtype](weight.packed.data_ptr(), panels, in_features, unpacked.data_ptr(),
                                  torch.get_num_threads())
         transposed = unpacked[:, : weight.out_features]
         return torch.mm(rows, transposed) if bias is None else torch.addmm(bias, rows, transposed)
@@ -309,12 +304,12 @@ class NativeCPUOps:
         (a prefill) or an id out of range by ``PackedWeight.rows``."""
         if not isinstance(weight, PackedWeight):
             return F.embedding(ids, weight)
-        gather = self._packed_rows.get(weight.dtype)
         n = ids.numel()
-        if (gather is None or ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous()
+        if (ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous()
                 or n > NATIVE_EMBEDDING_MAX_ROWS):
             return weight.rows(ids)
         out = torch.empty((n, weight.in_features), dtype=weight.dtype)
+        gather = self._fns["packed_rows", weight.dtype]
         if gather(weight.packed.data_ptr(), weight.out_features, weight.in_features, ids.data_ptr(), n,
                   out.data_ptr()):
             return weight.rows(ids)  # an id outside [0, out_features): as the indexing treats it
