@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import activation, attention, norm, rotary
+from ..attention_metadata import AttentionMetadata
+from ..dispatch import DecodeLayers, DecodeLayerWeights
 from .build import DTYPE_SUFFIX, SIGNATURES
 from .huge_pages import huge_page_empty
 from .packed import PANEL, PackedWeight, packed_numel
@@ -93,47 +95,6 @@ def _cpu_vendor() -> str:
     return ""
 
 
-@attrs.frozen
-class DecodeLayerWeights:
-    """What ``decode_layers`` reads of one decoder layer, in the C table's order (biases may be None; the
-    projections must be packed)."""
-
-    input_norm: torch.Tensor
-    qkv: torch.Tensor | PackedWeight
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor | PackedWeight
-    o_bias: torch.Tensor | None
-    post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor | PackedWeight
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | PackedWeight
-    down_bias: torch.Tensor | None
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    sliding_window: int | None
-
-    def addresses(self) -> list[int]:
-        tensors = attrs.astuple(self, recurse=False)[:-1]
-        return [0 if t is None else _storage(t).data_ptr() for t in tensors]
-
-
-@attrs.frozen
-class DecodeLayers:
-    """A model's layers for ``decode_layers``, with the sizes it needs; the model keeps one per KV cache, and
-    the op caches its address table for as long as the model holds it (a weak reference, so a dropped model's
-    weights are freed)."""
-
-    layers: tuple[DecodeLayerWeights, ...]
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    eps: float
-    scale: float
-    final_norm: torch.Tensor | None = None  # the model's norm after the last layer, applied in the same call
-
-
 class NativeCPUOps:
     """Bound kernels of one loaded library; methods mirror the torch reference functions."""
 
@@ -161,7 +122,7 @@ class NativeCPUOps:
         self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
 
     def decode_layers(self, model: DecodeLayers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every decoder layer of an all-decode step in one native call (see ``decode_layers`` in ksana_cpu.c):
         ``(hidden, residual)`` as the layer loop leaves them (with ``model.final_norm``, ``hidden`` is that norm of
         their sum and ``residual`` the sum), or None when the step is not one it takes (weights not packed, an
@@ -179,7 +140,7 @@ class NativeCPUOps:
             layout = _cache_layout(layers[0].k_cache, layers[0].v_cache)
             if layout is None or not all(_decode_layer_ok(layer, hidden.dtype, layout) for layer in layers):
                 return None
-            table = torch.tensor([a for layer in layers for a in layer.addresses()], dtype=torch.int64)
+            table = torch.tensor([a for layer in layers for a in _addresses(layer)], dtype=torch.int64)
             windows = torch.tensor([layer.sliding_window or 0 for layer in layers], dtype=torch.int64)
             self._table_of = (weakref.ref(model), table, windows, layout)
         _, table, windows, layout = self._table_of
@@ -407,6 +368,12 @@ class NativeCPUOps:
                                 block_table.data_ptr(), q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size,
                                 *layout, scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
         return out
+
+
+def _addresses(layer: DecodeLayerWeights) -> list[int]:
+    """The layer's tensors' addresses in the C table's order (0 for a missing bias)."""
+    tensors = attrs.astuple(layer, recurse=False)[:-1]
+    return [0 if t is None else _storage(t).data_ptr() for t in tensors]
 
 
 def _decode_layer_ok(layer: DecodeLayerWeights, dtype: torch.dtype, layout: tuple[int, int]) -> bool:
