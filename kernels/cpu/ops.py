@@ -22,40 +22,34 @@ from .build import DTYPE_SUFFIX, SIGNATURES
 from .huge_pages import huge_page_empty
 from .packed import PANEL, PackedWeight, packed_numel
 
-# Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
-# cost 0.26 ms more in the lm_head for 0.12 ms less sampling (one process, alternating step by step).
+# Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, so at a few rows
+# its lm_head costs more than the sampling it saves (tools/decode_phases.py times the lm_head after the fused step).
 FUSED_GREEDY_MIN_ROWS = 8
 # Lookups of up to this many ids from a packed embedding run natively, one thread (a decode step's batch); a
 # prefill's go through torch's indexing.
 NATIVE_EMBEDDING_MAX_ROWS = 64
 # From this many rows a bfloat16 matmul over a packed weight goes to torch's oneDNN matmul where the CPU has AMX:
-# its tiles run bfloat16 at 2-2.8 TFLOP/s (two cores), the native kernel (which widens to float32) at 0.3-0.35.
-# The panels are first unpacked into a scratch [K, N] matrix, which costs about one read and write of the weight:
-# at 32 rows the two paths are even for smollm2's MLP and the AMX one 1.7x faster for its attention projections;
-# at 512 (a prefill chunk) it is 6-7x faster (bench/README.md, "bfloat16 on AMX").
+# its tiles run bfloat16 several times faster than the native kernel, which widens to float32. The panels are first
+# unpacked into a scratch [K, N] matrix, about one read and write of the weight, which 32 rows repay
+# (bench/kernel_ops.py).
 AMX_MIN_ROWS = 32
-# Queries per SDPA call of a bfloat16 prefill on AMX CPUs (where ``attention.PREFILL_QUERY_CHUNK`` is 64): there
-# torch's flash attention runs bfloat16 on AMX tiles, and chunks of 256 took 0.84-0.91 of the time of chunks of 64
-# over smollm2's heads at 128-2,048 new tokens, with or without a cached prefix (scratch harness, two threads, the
-# AMX Xeon; 128 in between).
+# Queries per SDPA call of a bfloat16 prefill on AMX CPUs (elsewhere ``attention.PREFILL_QUERY_CHUNK``): there
+# torch's flash attention runs bfloat16 on AMX tiles, which longer chunks keep busier than the masked work they add
+# costs, with or without a cached prefix.
 AMX_PREFILL_QUERY_CHUNK = 256
 
 
 # The same route on AMD CPUs with AVX512_BF16 (Zen 4 and later) from this many rows: oneDNN's ``vdpbf16ps`` matmuls
-# ran 375 GFLOP/s on a Zen 4 EPYC's two cores where the native kernel ran 213, so with the unpacking they took
-# 0.51-0.57 of its time at 512 rows for every smollm2 projection, 0.62-0.85 at 128, and at 64 lost for the down
-# projection and the lm_head (1.20x, 1.14x) while winning for the others (bench/README.md, "bfloat16 on Zen 4").
-# Not on Intel's AVX-512 Xeons without AMX: there the native kernel prefilled 1.42x faster than ``transformers``'
-# oneDNN bfloat16, so oneDNN's matmul was the slower of the two.
+# outrun the native kernel enough to repay the unpacking for every projection from 128 rows, not yet for all at 64
+# (bench/kernel_ops.py). Not on Intel's AVX-512 CPUs without AMX, where the native kernel is the faster of the
+# two.
 AVX512_BF16_MIN_ROWS = 128
 
 
 # The AVX-512 packed linear's tiles of fewer input rows than this leave their weight streams to the hardware
-# prefetchers on AMD CPUs. On a Zen 4 EPYC without the software prefetches (bench/decode_ab.py, same bits): the
-# batch-1 decode step took 0.83-0.98 of the time over nine runs in two sessions (median 0.93; contexts 128 and
-# 512), batches 2-4 0.89-0.95, batch 6 1.00, while batch 8 took 1.03x and batch 16 1.10x. Intel's
-# Xeons keep them at every row count (where they were tuned; not re-measured without them). AVX2 builds have
-# their own tiles, which this does not touch.
+# prefetchers on AMD CPUs, which stream the panels faster alone at batches 1-4 and need the software prefetches
+# from batch 8 (tools/decode_ab.py, same bits either way). Intel CPUs keep them at every row count. AVX2 builds
+# have their own tiles, which this does not touch.
 AMD_PACKED_PREFETCH_MIN_ROWS = 5
 
 
@@ -177,8 +171,7 @@ class NativeCPUOps:
 
         A model passes its weights in the order a decode step reads them, so the end of one projection's panels
         runs straight into the next one's: one stream for the hardware prefetcher, where separate allocations
-        restart it at every call (smollm2's 120 projections at 16 rows: 0.5-4.5% less time in three
-        one-process A/Bs). The buffers ask for huge pages (see ``kernels/cpu/huge_pages.py``).
+        restart it at every call. The buffers ask for huge pages (see ``kernels/cpu/huge_pages.py``).
         Each result is yielded as soon as it is packed and ``weights[i]`` is read only then, so a caller that
         swaps it in and sets ``weights[i] = None`` frees each original before the next is packed: the buffer's
         pages are touched one weight at a time, and the peak stays near one copy of the weights."""
@@ -261,7 +254,7 @@ class NativeCPUOps:
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
         """``F.embedding``; a packed table (tied to the head) is gathered from its panels: a decode step's few
-        rows natively (one call, where torch's indexing takes three ops and about 0.13 ms at batch 16), more
+        rows natively (one call, where torch's indexing takes three ops), more
         (a prefill) or an id out of range by ``PackedWeight.rows``."""
         if not isinstance(weight, PackedWeight):
             return F.embedding(ids, weight)

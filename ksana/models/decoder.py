@@ -421,6 +421,7 @@ class DecoderForCausalLM(CausalLM):
     ) -> torch.Tensor:
         hidden = self._embed(input_ids)
         cos, sin = self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
+        # The fast path: an all-decode step's layers in one backend call (on the CPU, one native call).
         fused = self._decode_layers(hidden, cos, sin, kv_caches, meta)
         if fused is not None:
             return fused[0]  # the final norm ran in the same call

@@ -631,7 +631,7 @@ def test_cpu_dispatch_sends_many_bfloat16_rows_to_onednn_from_this_cpus_threshol
 @pytest.mark.parametrize(("amx", "avx512_bf16", "vendor", "expected"), [
     (True, True, "GenuineIntel", AMX_MIN_ROWS),
     (False, True, "AuthenticAMD", AVX512_BF16_MIN_ROWS),
-    (False, True, "GenuineIntel", None),  # an AVX-512 Xeon without AMX: the native kernel was the faster
+    (False, True, "GenuineIntel", None),  # Intel AVX-512 without AMX: the native kernel is the faster
     (False, False, "AuthenticAMD", None),  # AVX2 only (Zen 2, Zen 3)
 ])
 def test_onednn_bfloat16_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool,
