@@ -27,10 +27,9 @@ if TYPE_CHECKING:
 
 
 # Queries per SDPA call in a CPU prefill. PyTorch's CPU flash attention computes each query block against
-# whole key blocks of 512 and masks afterwards, so a causal prompt of 512 tokens costs as much as a full
-# 512 x 512 one (6.1 against 6.2 ms a smollm2 layer). In chunks of 64, each over the keys it can see with its
-# mask cut from one cached pattern (_causal_pattern), a layer took 3.9-5.1 ms against 5.3-6.6 whole, in three
-# rounds of one process; chunks of 128 about the same, of 32 slower in two rounds of three.
+# whole key blocks of 512 and masks afterwards, so a causal prompt of 512 tokens costs about as much as a full
+# 512 x 512 one. In chunks of 64, each over the keys it can see with its mask cut from one cached pattern
+# (_causal_pattern), a layer skips most of the masked work; chunks of 128 do about as well, of 32 worse.
 PREFILL_QUERY_CHUNK = 64
 
 

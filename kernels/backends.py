@@ -69,8 +69,9 @@ def cpu_ops() -> KernelOps:
     """The native CPU kernels (``kernels/cpu``) for everything but ``rotary_cos_sin``; the projections over packed
     weights, all layers of a decode step in one call, and float32 prefill attention only on AVX2 and AVX-512 CPUs
     (BLAS and SDPA otherwise; bfloat16 projections of many rows go to oneDNN where the CPU has AMX or is an AMD one
-    with AVX512_BF16); the torch reference when the library cannot be built. Attention keeps the reference's store/decode/prefill composition,
-    with native parts, so perf mode still times the two halves apart."""
+    with AVX512_BF16); the torch reference when the library cannot be built (no C compiler: ``load_library``
+    warns once). Attention keeps the reference's store/decode/prefill composition, with native parts, so perf mode
+    still times the two halves apart."""
     from .cpu import load_library
 
     library = load_library()

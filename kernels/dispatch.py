@@ -5,27 +5,133 @@ kernels (``kernels/triton``), an Ascend NPU torch-npu's fused operators (``kerne
 kernels (``kernels/cpu``), falling back to the torch reference path when no compiler is there to build them.
 
 Every op of a forward pass has a field named after its role (the projections too, although each is a plain
-``F.linear`` today), so perf mode can time each role by swapping in ``ops.timed(timer)``: the plain ops stay raw
-functions, and with profiling off the model pays nothing for the hooks.
+``F.linear`` on most backends), so perf mode can time each role by swapping in ``ops.timed(timer)``: the plain ops
+stay raw functions, and with profiling off the model pays nothing for the hooks.
+
+Besides the per-op fields, a backend may offer whole-model hooks, which this module describes in backend-neutral
+types so that models never import a backend: ``pack_weights`` (the projections in the backend's own layout, a
+``PackedWeight``), ``decode_layers`` (every decoder layer of an all-decode step in one call, over the model's
+``DecodeLayers``) and ``lm_head_greedy``; ``kv_cache_zeros`` allocates the KV cache the way the device's kernels
+read it fastest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
-from typing import Protocol
+from typing import Protocol, TypeAlias, TypeVar
 
 import attrs
 import torch
 import torch.nn.functional as F
 
 from . import activation, attention, norm, rotary
+from .attention_metadata import AttentionMetadata
+from .cpu.huge_pages import huge_page_zeros
+from .cpu.packed import PackedWeight, dense_weight
+
+__all__ = [
+    "DecodeLayerWeights",
+    "DecodeLayers",
+    "KernelOps",
+    "OpTimer",
+    "PackedWeight",
+    "TORCH_OPS",
+    "Weight",
+    "dense_weight",
+    "get_ops",
+    "kv_cache_zeros",
+]
+
+Tensor: TypeAlias = torch.Tensor
+# A projection weight as a model holds it: the checkpoint's ``[out_features, in_features]`` tensor, or the layout
+# ``KernelOps.pack_weights`` made of it (the native CPU matmul's panels; ``dense_weight`` gives the tensor back).
+Weight: TypeAlias = Tensor | PackedWeight
+Greedy: TypeAlias = tuple[list[int], list[float]]  # each row's token id and its log-probability
+
+_Fn = TypeVar("_Fn", bound=Callable)
 
 
 class OpTimer(Protocol):
-    """What ``KernelOps.timed`` needs: a wrapper that times every call of ``fn`` under the operator ``name``."""
+    """What ``KernelOps.timed`` needs: a wrapper that times every call of ``fn`` under the operator name ``name``."""
 
-    def wrap(self, name: str, fn: Callable) -> Callable: ...
+    def wrap(self, name: str, fn: _Fn) -> _Fn: ...
+
+
+@attrs.frozen
+class DecodeLayerWeights:
+    """What a fused decode step reads of one decoder layer, in the order of the native table (``decode_layers``
+    in ``kernels/cpu/ksana_cpu.c``); biases may be None, and the backend takes only packed projections."""
+
+    input_norm: Tensor
+    qkv: Weight
+    qkv_bias: Tensor | None
+    o: Weight
+    o_bias: Tensor | None
+    post_attention_norm: Tensor
+    gate_up: Weight
+    gate_up_bias: Tensor | None
+    down: Weight
+    down_bias: Tensor | None
+    k_cache: Tensor
+    v_cache: Tensor
+    sliding_window: int | None
+
+
+@attrs.frozen
+class DecodeLayers:
+    """A model's layers for ``KernelOps.decode_layers``, with the sizes the fused step needs. The model keeps one
+    per KV cache and passes the same object every step, so a backend can cache what it derives from it (the
+    native CPU ops keep the address table while the model holds this object)."""
+
+    layers: tuple[DecodeLayerWeights, ...]
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    scale: float
+    final_norm: Tensor | None = None  # the model's norm after the last layer, applied in the same call
+
+
+# The ops' signatures (those of the torch reference functions in this package).
+RmsNorm: TypeAlias = Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps)
+FusedAddRmsNorm: TypeAlias = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (x, residual, ...)
+SiluAndMul: TypeAlias = Callable[[Tensor], Tensor]
+RotaryCosSin: TypeAlias = Callable[[Tensor, Tensor, float, torch.dtype], tuple[Tensor, Tensor]]
+StoreKVCache: TypeAlias = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]  # (key, value, k, v, slots)
+# (query, k_cache, v_cache, meta, scale, sliding_window): attention over what the store put in the caches
+AttendCached: TypeAlias = Callable[[Tensor, Tensor, Tensor, AttentionMetadata, float, int | None], Tensor]
+Embedding: TypeAlias = Callable[[Tensor, Weight], Tensor]  # (ids, table)
+WeightPacker: TypeAlias = Callable[[list[Tensor | None]], Iterator[Weight]]
+DecodeLayersFn: TypeAlias = Callable[[DecodeLayers, Tensor, Tensor, Tensor, AttentionMetadata],
+                                     tuple[Tensor, Tensor] | None]  # (layers, hidden, cos, sin, meta)
+GreedyLogprobs: TypeAlias = Callable[[Tensor], Greedy | None]  # (float32 logits [N, V])
+LmHeadGreedy: TypeAlias = Callable[[Tensor, Weight, int], Greedy | None]  # (hidden, lm_head weight, vocab_size)
+
+
+class ApplyRotary(Protocol):
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool = True) -> Tensor: ...
+
+
+class Projection(Protocol):
+    def __call__(self, x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor: ...
+
+
+class PagedAttention(Protocol):
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> Tensor: ...
+
+
+class PagedDecodeAttention(Protocol):
+    def __call__(self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                 scale: float, sliding_window: int | None = None, max_seq_len: int | None = None) -> Tensor: ...
+
+
+class PagedPrefillAttention(Protocol):
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 block_table: Tensor, seq_len: int, scale: float, sliding_window: int | None = None) -> Tensor: ...
 
 
 @attrs.frozen
@@ -33,45 +139,47 @@ class KernelOps:
     """A consistent set of op implementations (signatures as in the torch modules of this package)."""
 
     name: str
-    rms_norm: Callable = attrs.field(repr=False)
-    fused_add_rms_norm: Callable = attrs.field(repr=False)
-    silu_and_mul: Callable = attrs.field(repr=False)
-    rotary_cos_sin: Callable = attrs.field(repr=False)
-    apply_rotary: Callable = attrs.field(repr=False)
-    store_kv_cache: Callable = attrs.field(repr=False)
-    paged_attention: Callable = attrs.field(repr=False)
+    rms_norm: RmsNorm = attrs.field(repr=False)
+    fused_add_rms_norm: FusedAddRmsNorm = attrs.field(repr=False)
+    silu_and_mul: SiluAndMul = attrs.field(repr=False)
+    rotary_cos_sin: RotaryCosSin = attrs.field(repr=False)
+    apply_rotary: ApplyRotary = attrs.field(repr=False)
+    store_kv_cache: StoreKVCache = attrs.field(repr=False)
+    paged_attention: PagedAttention = attrs.field(repr=False)
     # The decode and prefill halves of ``paged_attention`` when it is their composition (as the reference is):
     # a timed copy then times them apart. None for a fused kernel, which is timed as one call.
-    paged_decode_attention: Callable | None = attrs.field(repr=False, default=None)
-    paged_prefill_attention: Callable | None = attrs.field(repr=False, default=None)
+    paged_decode_attention: PagedDecodeAttention | None = attrs.field(repr=False, default=None)
+    paged_prefill_attention: PagedPrefillAttention | None = attrs.field(repr=False, default=None)
     # A fused kernel's work after the store, ``(query, k_cache, v_cache, meta, scale, sliding_window)``, where the
     # backend has it apart (Triton): a timed copy then times ``kv_cache_store`` and the attention separately.
-    attend_cached: Callable | None = attrs.field(repr=False, default=None)
+    attend_cached: AttendCached | None = attrs.field(repr=False, default=None)
     # Projections by role: ``(x, weight, bias=None)``; ``embedding`` is ``(ids, weight)``.
-    embedding: Callable = attrs.field(repr=False, default=F.embedding)
-    qkv_proj: Callable = attrs.field(repr=False, default=F.linear)
-    o_proj: Callable = attrs.field(repr=False, default=F.linear)
-    mlp_gate_up: Callable = attrs.field(repr=False, default=F.linear)
-    mlp_down: Callable = attrs.field(repr=False, default=F.linear)
-    lm_head: Callable = attrs.field(repr=False, default=F.linear)
-    # All decoder layers of an all-decode step in one call, where a backend fuses them (the native CPU kernels):
-    # ``(kernels.cpu.ops.DecodeLayers, hidden, cos, sin, meta) -> (hidden, residual) | None`` (None: not this
-    # step; run the layers one by one). A timed copy drops it, so perf mode times every op.
-    decode_layers: Callable | None = attrs.field(repr=False, default=None)
+    embedding: Embedding = attrs.field(repr=False, default=F.embedding)
+    qkv_proj: Projection = attrs.field(repr=False, default=F.linear)
+    o_proj: Projection = attrs.field(repr=False, default=F.linear)
+    mlp_gate_up: Projection = attrs.field(repr=False, default=F.linear)
+    mlp_down: Projection = attrs.field(repr=False, default=F.linear)
+    lm_head: Projection = attrs.field(repr=False, default=F.linear)
+    # All decoder layers of an all-decode step in one call, where a backend fuses them (the native CPU kernels:
+    # ``decode_layers`` in kernels/cpu/ksana_cpu.c): ``(DecodeLayers, hidden, cos, sin, meta) -> (hidden,
+    # residual) | None`` (None: not this step; run the layers one by one). A timed copy drops it, so perf mode
+    # times every op.
+    decode_layers: DecodeLayersFn | None = attrs.field(repr=False, default=None)
     # The KV cache layout these kernels read fastest: head-major blocks (see ``KVCache``) or slot-major. Every op
     # takes either; the engine allocates this one.
     kv_head_major: bool = False
     # ``(weights [N, K] ...) -> what the projections (and ``embedding``) take, one per weight``: a backend's
-    # preferred layout, made once after loading (the native CPU matmul's packed panels, back to back in the order
-    # given). None: the projections take the tensors as they are.
-    pack_weights: Callable | None = attrs.field(repr=False, default=None)
+    # preferred layout, made once after loading (the native CPU matmul's ``PackedWeight`` panels, back to back in
+    # the order given; a weight it does not pack comes back as it is). None: the projections take the tensors as
+    # they are.
+    pack_weights: WeightPacker | None = attrs.field(repr=False, default=None)
     # Greedy rows' tokens and log-probabilities without a full log_softmax, where a backend has it:
     # ``(float32 logits [N, V]) -> (token ids, logprobs) | None`` (None: not these logits). The sampler's fast path.
-    greedy_logprobs: Callable | None = attrs.field(repr=False, default=None)
+    greedy_logprobs: GreedyLogprobs | None = attrs.field(repr=False, default=None)
     # The same from the lm_head directly, without the logits, where a backend fuses the two:
     # ``(hidden [N, H], lm_head weight, vocab_size) -> (token ids, logprobs) | None`` (None: not this call). A timed
     # copy drops it, so perf mode times the lm_head as its own op.
-    lm_head_greedy: Callable | None = attrs.field(repr=False, default=None)
+    lm_head_greedy: LmHeadGreedy | None = attrs.field(repr=False, default=None)
 
     def timed(self, timer: OpTimer) -> KernelOps:
         """A copy whose every op is wrapped by ``timer`` under its operator name (see ``OPERATOR_OF_FIELD``).
@@ -119,7 +227,8 @@ OPERATOR_OF_FIELD: MappingProxyType[str, str] = MappingProxyType(
 )
 
 
-def _timed_fused_attention(timer: OpTimer, attention_fn: Callable, store: Callable | None = None) -> Callable:
+def _timed_fused_attention(timer: OpTimer, attention_fn: PagedAttention | AttendCached,
+                           store: StoreKVCache | None = None) -> PagedAttention:
     """A fused kernel timed as one call per step, under the name of the step's kind. With ``store`` (timed),
     ``attention_fn`` is the kernel's ``attend_cached`` and the store runs first; else it is the whole kernel."""
     as_decode = timer.wrap("attention_decode", attention_fn)
@@ -162,3 +271,10 @@ def get_ops(device: str | torch.device) -> KernelOps:
     if device_type == "cpu":
         return backends.cpu_ops()
     return TORCH_OPS
+
+
+def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> Tensor:
+    """A zero-filled KV cache tensor, allocated the way the device's kernels read it fastest: on the CPU on its
+    own huge-page mapping (``kernels/cpu/huge_pages.py``: every decode step streams the cache), elsewhere
+    ``torch.zeros``."""
+    return huge_page_zeros(shape, dtype, device)

@@ -3,7 +3,7 @@
 Why: at batch 16 and context 512 the decode step's attention reads its KV from memory at half to two-thirds of the
 read ceiling, and a change to the attention kernel moves the whole step by only a few percent, which
 ``decode_ab.py`` resolves with about a hundred pairs a configuration. Alone, over every layer's cache, the
-attention's own time shows within a minute; sessions 16-29 kept rewriting this harness as scratch code.
+attention's own time shows within a minute.
 
 The caches are laid out as the engine allocates them (``KVCache.allocate(head_major=True)``: each layer its own K
 and V tensors on huge pages, blocks of 16 slots, each KV head's positions of a block together) and each sequence's
@@ -17,9 +17,11 @@ Python and the threads' wake-up (tens of microseconds), which the engine's fused
 these times with a step's. Both builds also run one layer on the same inputs, and the report says whether they
 agree bit for bit.
 
-    python bench/attention_ab.py --a old.c --b new.c                 # smollm2's shape, batch 16, context 512
-    python bench/attention_ab.py --context 128 --hot                 # HEAD against the working tree, from cache
-    python bench/attention_ab.py --quick                             # small shapes: checks the script
+    python tools/attention_ab.py --a old.c --b new.c                 # smollm2's shape, batch 16, context 512
+    python tools/attention_ab.py --context 128 --hot                 # HEAD against the working tree, from cache
+    python tools/attention_ab.py --quick                             # small shapes: checks the script
+
+Both sources must export every kernel ``kernels/cpu/build.py`` binds (see ``_sources.py``).
 
 Per build: the median pass, the KV read a second, the time per position and KV head on each thread (the unit the
 kernel's loops work in), and the median over rounds of b's pass over a's in the same round.
@@ -52,7 +54,7 @@ from ksana.models.shape import ModelShape  # noqa: E402
 from ksana.worker.kv_cache import KVCache  # noqa: E402
 
 # written before each cold pass: about what a step streams between two reads of a layer's KV (smollm2's weights are
-# 540 MB), so the KV is as cold as in a step on every VM here, the AMX Xeon's 480 MB of L3 included
+# 540 MB), so the KV is as cold as in a step on CPUs with up to that much L3
 EVICT_BYTES = 512 << 20
 
 

@@ -1,16 +1,19 @@
 """Two builds of the native CPU kernels in one engine: the fused decode step of each, alternating step by step.
 
-Why step by step: this VM's speed drifts by 20-40% within minutes, so whole runs alternated run by run need many
-rounds to show a 1-2% change. Neighbouring decode steps of one ``generate`` call have the same shapes (the context
-grows by one) and nearly the same machine state; with the two builds taking turns, each pair of neighbours compares
-them under the same conditions, and the median ratio over a hundred pairs resolves about 1%.
+Why step by step: a shared or virtual machine's speed can drift by tens of percent within minutes, so whole runs
+alternated run by run need many rounds to show a 1-2% change. Neighbouring decode steps of one ``generate`` call
+have the same shapes (the context grows by one) and nearly the same machine state; with the two builds taking
+turns, each pair of neighbours compares them under the same conditions, and the median ratio over a hundred pairs
+resolves about 1%.
 
 The tool also runs both builds on one captured step and says whether they give the same bits (hidden states,
 residual and KV cache), which a change meant to be bit-identical should.
 
-    python bench/decode_ab.py                                   # HEAD's kernels against the working tree's
-    python bench/decode_ab.py --a old.c --b new.c --batch 16 --context 512
-    python bench/decode_ab.py --quick                           # the demo model, small shapes: checks the script
+    python tools/decode_ab.py                                   # HEAD's kernels against the working tree's
+    python tools/decode_ab.py --a old.c --b new.c --batch 16 --context 512
+    python tools/decode_ab.py --quick                           # the demo model, small shapes: checks the script
+
+Both sources must export every kernel ``kernels/cpu/build.py`` binds (see ``_sources.py``).
 """
 
 from __future__ import annotations

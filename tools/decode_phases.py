@@ -8,19 +8,19 @@ for the clocked build's, and prints per steady decode step:
 
 - each phase's time (its threads' mean of work + wait; the wait is what the phase's slowest thread cost the rest),
   what it moved (FLOPs of the projections, bytes of weights; bytes of KV for the attention) and the rate it ran at;
-- the phase at its own ceiling, measured in the same run as ``roofline.py`` measures them (the float32 matmul rate
-  and the read bandwidth): max(FLOPs / matmul rate, bytes / read bandwidth);
+- the phase at its own ceiling, measured in the same run as ``bench/roofline.py`` measures them (the float32
+  matmul rate and the read bandwidth): max(FLOPs / matmul rate, bytes / read bandwidth);
 - the sum of those per-phase floors, which is what the step costs when no phase overlaps another, against the
-  roofline bound of ``roofline.py`` (the step's bytes and FLOPs each at their ceiling, as if they overlapped):
+  roofline bound of ``bench/roofline.py`` (the step's bytes and FLOPs each at their ceiling, as if they overlapped):
   their ratio is the best step / bound a step whose phases run one after the other can reach.
 
 Why: the roofline target asks for the step within 1.4x of the bound. Batch 16 at context 512 reads 377 MB of KV
 in the attention and multiplies 3.4 GFLOP in the projections, and the two run one after the other; this shows how
 far each phase is from its own ceiling and how much of the remaining gap is the phases not overlapping.
 
-    python bench/decode_phases.py                 # smollm2, batch 1 and 16 at contexts 128 and 512
-    python bench/decode_phases.py --batches 16 --contexts 512 --rounds 5
-    python bench/decode_phases.py --quick         # the demo model, small shapes: checks the script
+    python tools/decode_phases.py                 # smollm2, batch 1 and 16 at contexts 128 and 512
+    python tools/decode_phases.py --batches 16 --contexts 512 --rounds 5
+    python tools/decode_phases.py --quick         # the demo model, small shapes: checks the script
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ from transformers import AutoConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))  # roofline's settings and capture
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loaded by the tests
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ksana.kernels.cpu import build  # noqa: E402
+from _sources import build_library  # noqa: E402
+from ksana.kernels.cpu.build import SOURCE  # noqa: E402
 from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from roofline import Settings as RooflineSettings  # noqa: E402
 from roofline import (  # noqa: E402
@@ -96,7 +98,9 @@ class ClockedSteps:
 
 
 def clocked_ops(directory: Path) -> tuple[NativeCPUOps, ctypes.CDLL]:
-    library = build.build_library(build.SOURCE, directory, defines=("KSANA_PHASE_CLOCK",))
+    """The working tree's kernels built with ``-DKSANA_PHASE_CLOCK`` into ``directory`` (made here), with the
+    clock's two functions bound."""
+    library = build_library(SOURCE, directory / "clocked", defines=("KSANA_PHASE_CLOCK",))
     library.decode_phase_clock.argtypes = (ctypes.c_void_p, ctypes.c_int)
     library.decode_phase_clock.restype = None
     library.decode_phase_count.restype = ctypes.c_int
@@ -190,8 +194,8 @@ def phase_rates(run: ClockedSteps, shape: ModelShape) -> list[tuple[float, float
 
 def raised_ceilings(ceilings: dict[str, Any], rates: list[list[tuple[float, float]]]) -> dict[str, Any]:
     """The measured ceilings (best of before and after the runs), each raised to the fastest rate a phase ran at
-    where that is higher: no phase runs faster than the machine, so a lower figure was measured in a slow phase of
-    this VM (as ``roofline.py`` raises its read ceiling to the fastest decode step)."""
+    where that is higher: no phase runs faster than the machine, so a lower figure was measured while the machine
+    ran slow (as ``bench/roofline.py`` raises its read ceiling to the fastest decode step)."""
     read, matmul = ceilings["read_bandwidth"], ceilings["matmul"]
     fastest_flops = max((f for run in rates for f, _ in run), default=0.0)
     fastest_bytes = max((b for run in rates for _, b in run), default=0.0)

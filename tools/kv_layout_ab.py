@@ -2,12 +2,12 @@
 
 The engine allocates head-major caches for the native CPU kernels (see ``KVCache``). This measures what that layout
 buys: one build, one captured decode step of a real ``generate`` call, run over the engine's own (head-major) cache
-and over a slot-major copy with the same values, the two taking turns (a, b, b, a) so that the VM's drift cancels.
-Both must give the same bits: the layout changes where values lie, not what is computed.
+and over a slot-major copy with the same values, the two taking turns (a, b, b, a) so that the machine's drift
+cancels. Both must give the same bits: the layout changes where values lie, not what is computed.
 
-    python bench/kv_layout_ab.py --batch 16 --context 512
-    python bench/kv_layout_ab.py --dtype bfloat16
-    python bench/kv_layout_ab.py --quick        # the demo model, small shapes: checks the script
+    python tools/kv_layout_ab.py --batch 16 --context 512
+    python tools/kv_layout_ab.py --dtype bfloat16
+    python tools/kv_layout_ab.py --quick        # the demo model, small shapes: checks the script
 """
 
 from __future__ import annotations

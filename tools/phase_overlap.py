@@ -1,7 +1,8 @@
 """Would the fused decode step gain from running its attention beside its projections, one thread each?
 
-The roofline bound of ``roofline.py`` assumes the step's reads and arithmetic overlap; in the engine's fused decode
-step (``decode_layers`` in ``kernels/cpu/ksana_cpu.c``) every phase runs on all threads, one phase after the other.
+The roofline bound of ``bench/roofline.py`` assumes the step's reads and arithmetic overlap; in the engine's fused
+decode step (``decode_layers`` in ``kernels/cpu/ksana_cpu.c``) every phase runs on all threads, one phase after the
+other.
 On two cores the other schedule is to give each core one kind of work: one thread runs a layer's attention (reading
 the KV cache) while the other runs projections (streaming weights through FMAs), as NanoFlow-style pipelines over
 two halves of the batch do. That pays where each phase gains little from a second thread (the attention held by
@@ -22,9 +23,9 @@ Sequential is what the step does now (attention, then projections, on all thread
 what a pipeline could at best reach: the whole batch side by side ignores the dependencies between a layer's
 phases (only the halves can keep them), and neither counts the norms.
 
-    python bench/phase_overlap.py                      # smollm2, batch 16, context 512
-    python bench/phase_overlap.py --batch 16 --context 128 --rounds 9
-    python bench/phase_overlap.py --quick              # the demo model, small shapes: checks the script
+    python tools/phase_overlap.py                      # smollm2, batch 16, context 512
+    python tools/phase_overlap.py --batch 16 --context 128 --rounds 9
+    python tools/phase_overlap.py --quick              # the demo model, small shapes: checks the script
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 On a small CPU the eager torch reference spends most of a decode step outside the matmuls: dozens of tiny ops
 per layer, each paying dispatch and a thread-pool wake-up, and decode attention that copies every sequence's
 cached K/V out of its blocks before SDPA reads it again. These kernels do each op in one call, and decode
-attention reads K/V in place through the block tables, once. At decode's few rows MKL reaches a fraction of the
-CPU's bandwidth (on an AVX2 EPYC, 7 GB/s at one row and 3 at 16, against 20-33 for a plain read), so on AVX2 and
+attention reads K/V in place through the block tables, once. At decode's few rows BLAS streams the weights at a
+fraction of the CPU's read bandwidth (bench/kernel_ops.py sets the kernels against torch), so on AVX2 and
 AVX-512 CPUs the loader packs every projection's weights into 16-column panels (``kernels/cpu/packed.py``) that one
 native matmul streams once at decode sizes and tiles for prefill, and a decode step's layers run in one native
 call, one OpenMP region (no Python and no fork between the ops). Float32 prefill attention is native there too:

@@ -30,7 +30,9 @@ LIBRARY_NAME = "libksana_cpu.so"
 CPU_KERNELS_ENV = "KSANA_CPU_KERNELS"
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-# Argument types of each kernel (same for the _f32 and _bf16 variants).
+# Argument types of each kernel that has a _f32 and a _bf16 variant (the same for both); they return nothing, but
+# for the ones in INT_RESULTS. Every build exports every name: where its instruction set lacks a kernel, a stub that
+# Python never calls (``linear_available`` and ``prefill_attention_available`` say which).
 SIGNATURES: dict[str, tuple] = {
     "rms_norm": (_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int),
     "rotary_neox": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
@@ -39,11 +41,14 @@ SIGNATURES: dict[str, tuple] = {
     "paged_decode": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                      _i64, _int),
     "pack_weight": (_ptr, _i64, _i64, _ptr, _int),
+    "unpack_weight": (_ptr, _i64, _i64, _ptr, _int),
+    "packed_rows": (_ptr, _i64, _i64, _ptr, _i64, _ptr),
     "packed_linear": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
     "decode_layers": (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
                       _ptr, _i64, _i64, _i64, _f32, _f32, _int, _ptr),
     "packed_linear_greedy": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int),
 }
+INT_RESULTS = frozenset({"packed_rows"})
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -70,9 +75,8 @@ def compiler_flags() -> list[str]:
     decode). Never -ffast-math, and no FMA contraction of elementwise code, so rounding matches torch's eager ops
     (attention and linear use FMA explicitly).
 
-    bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``: on this VM's Xeon the
-    dot-product version measured 16-23% slower from 16 rows (a scratch A/B of both builds in one process; that was
-    against the earlier dot-product tiles over torch's layout, not re-measured on the packed panels)."""
+    bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``, which ran slower from
+    16 rows on Intel's AVX-512 Xeons."""
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
     level = LEVELS.index(build_level())
     if level >= LEVELS.index("avx2"):
@@ -82,8 +86,10 @@ def compiler_flags() -> list[str]:
     return flags
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def find_compiler() -> str | None:
+    """``$CC``, else ``cc`` or ``gcc`` on the PATH; None when there is none."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return compiler if compiler and shutil.which(compiler) else None
 
 
 def _build_key(compiler: str, flags: list[str]) -> str:
@@ -93,70 +99,55 @@ def _build_key(compiler: str, flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _compile(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> None:
-    cmd = [compiler, *flags, "-o", str(directory / LIBRARY_NAME), str(source), "-lm"]
+def compile_library(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> Path:
+    """``source`` compiled with ``flags`` into ``directory``; the shared library's path. RuntimeError with the
+    compiler's output when it fails."""
+    output = directory / LIBRARY_NAME
+    cmd = [compiler, *flags, "-o", str(output), str(source), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    return output
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernels with their argument types set, or None (no compiler, a failed build, or
-    ``KSANA_CPU_KERNELS=torch``); the reason is logged once."""
+    ``KSANA_CPU_KERNELS=torch``); the reason is logged once, as a warning where the native kernels were wanted."""
     if os.environ.get(CPU_KERNELS_ENV, "native") == "torch":
         return None
-    compiler = _compiler()
+    compiler = find_compiler()
     if compiler is None:
-        logger.warning("no C compiler found: CPU runs the (slower) torch reference ops")
+        logger.warning("no C compiler found (set CC, or put cc or gcc on the PATH): the CPU runs the slower torch "
+                       "reference ops")
         return None
     from ..build_cache import build_cached
 
     flags = compiler_flags()
     try:
         directory = build_cached(f"cpu-kernels-{_build_key(compiler, flags)}",
-                                 lambda tmp: _compile(compiler, flags, tmp))
+                                 lambda tmp: compile_library(compiler, flags, tmp))
         library = ctypes.CDLL(str(directory / LIBRARY_NAME))
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernels unavailable, using torch reference ops: %s", error)
         return None
-    return _bind(library)
+    return bind(library)
 
 
-def build_library(source: Path, directory: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Another source of the kernels (an older revision, an experiment) compiled with this machine's flags, plus
-    ``-D`` each of ``defines``, into ``directory``, uncached, and loaded: ``bench/decode_ab.py`` runs two builds in
-    one engine, ``bench/decode_phases.py`` the build with ``KSANA_PHASE_CLOCK``."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler found")
-    _compile(compiler, [*compiler_flags(), *(f"-D{name}" for name in defines)], directory, source)
-    return _bind(ctypes.CDLL(str(directory / LIBRARY_NAME)))
-
-
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     """The argument and return types of every kernel, so ctypes passes int64 and float arguments as such."""
     for name, argtypes in SIGNATURES.items():
         for suffix in DTYPE_SUFFIX.values():
             fn = getattr(library, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, None
-    library.linear_available.argtypes, library.linear_available.restype = (), _int
-    if hasattr(library, "set_packed_prefetch_min_rows"):  # not in older sources that decode_ab.py may build
-        library.set_packed_prefetch_min_rows.argtypes = (_int,)
-        library.set_packed_prefetch_min_rows.restype = _int
+            fn.argtypes, fn.restype = argtypes, _int if name in INT_RESULTS else None
+    for name in ("linear_available", "prefill_attention_available"):
+        fn = getattr(library, name)
+        fn.argtypes, fn.restype = (), _int
+    library.set_packed_prefetch_min_rows.argtypes = (_int,)
+    library.set_packed_prefetch_min_rows.restype = _int
     library.greedy_logprobs.argtypes = (_ptr, _i64, _i64, _ptr, _ptr, _int)  # float32 logits only
     library.greedy_logprobs.restype = None
-    if hasattr(library, "unpack_weight_f32"):  # AVX2 and AVX-512 builds of current sources only
-        for suffix in DTYPE_SUFFIX.values():
-            fn = getattr(library, f"unpack_weight_{suffix}")
-            fn.argtypes, fn.restype = (_ptr, _i64, _i64, _ptr, _int), None
-    if hasattr(library, "packed_rows_f32"):  # the same builds, from session 37's sources on
-        for suffix in DTYPE_SUFFIX.values():
-            fn = getattr(library, f"packed_rows_{suffix}")
-            fn.argtypes, fn.restype = (_ptr, _i64, _i64, _ptr, _i64, _ptr), _int
-    if hasattr(library, "prefill_attention_f32"):  # not in older sources that decode_ab.py may build
-        library.prefill_attention_available.argtypes, library.prefill_attention_available.restype = (), _int
-        library.prefill_attention_f32.argtypes = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                                                  _i64, _i64, _f32, _i64, _ptr, _int)  # float32 only
-        library.prefill_attention_f32.restype = None
+    library.prefill_attention_f32.argtypes = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                                              _i64, _i64, _f32, _i64, _ptr, _int)  # float32 only
+    library.prefill_attention_f32.restype = None
     return library

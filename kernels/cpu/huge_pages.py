@@ -1,13 +1,12 @@
 """Transparent huge pages for long-lived buffers the decode step streams: the packed weights and the KV cache.
 
-A batch-16 decode step streams every weight once, 4 KiB page after 4 KiB page; each page is a TLB miss, and on a
-VM a page walk goes through two page tables. Backed by 2 MiB pages, the same weights took 0.964 of the fused
-layers' time at batch 16, context 128 (0.986 at batch 1), and a KV cache 0.974 at context 512 (smollm2, float32,
-an AVX2 EPYC, one process alternating step by step). Linux hands out huge pages for anonymous memory either
-always or, as on this project's VMs, only where the process asked with ``madvise(MADV_HUGEPAGE)``, and only for
-pages not yet touched. A ``torch.empty`` buffer below glibc's mmap threshold (which grows to 32 MiB as large
-blocks are freed) comes from the heap, already touched; so these buffers are mappings of their own, advised
-before anything is written.
+A batch-16 decode step streams every weight once, 4 KiB page after 4 KiB page; each page is a TLB miss, and in a
+virtual machine a page walk goes through two page tables. Backed by 2 MiB pages, the weights and the KV cache
+stream with a fraction of the misses, which shortens the fused decode step by a few percent. Linux hands out huge
+pages for anonymous memory either always or, with THP set to ``madvise``, only where the process asked with
+``madvise(MADV_HUGEPAGE)``, and only for pages not yet touched. A ``torch.empty`` buffer below glibc's mmap
+threshold (which grows to 32 MiB as large blocks are freed) comes from the heap, already touched; so these buffers
+are mappings of their own, advised before anything is written.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
  * sized elementwise ops stay on the calling thread, as torch's own grain size (32768) keeps them. */
 #define PARALLEL_MIN_ELEMS 65536
 #define PARALLEL_MIN_ATTENTION_WORK (1 << 20) /* context positions x query heads x head_dim */
-/* Lower where few sequences' tasks split (paged_decode): there both threads halve a long context's attention
- * (batch 1, context 512: 2.3-2.6 -> 1.7-1.9 ms a step); 2^18 for every batch cost serving 5-10% in A/Bs. */
+/* Lower where few sequences' tasks split (paged_decode): there both threads halve a long context's attention,
+ * worth waking the pool for at batch 1; the same threshold for every batch slows serving's many small steps. */
 #define PARALLEL_MIN_SPLIT_WORK (1 << 18)
 #define DECODE_SPLIT_TASKS 8 /* tasks per thread that paged_decode splits few long sequences into */
 #define DECODE_SPLIT_MIN 128 /* positions per split task at least */
@@ -143,28 +143,23 @@ static inline __m256 round8_bf16(__m256 x) { /* round to nearest even at 16 bits
 /* The AVX-512 task's tiles. A task of several KV heads goes in tiles of one block of the engine's 16 slots: with the
  * cache head-major a block's heads lie together, so the task reads them in turn, and blocks that follow one another
  * in memory in address order. A task of one KV head (batches under twice the threads) reads one head's rows, which
- * lie a block apart, and goes in tiles of 32: 128 against 32 1.05 of the attention over 30 cold layers at batch 16,
- * context 512 on the Zen 4 EPYC (bench/attention_ab.py); 16 against 32 at batch 1 1.02-1.04 of the step
- * (bench/decode_ab.py), where a task's first tile, which nothing prefetches, is a larger share. */
+ * lie a block apart, and goes in tiles of 32: longer tiles slow the attention over cold KV (tools/attention_ab.py),
+ * shorter ones make a task's first tile, which nothing prefetches, a larger share of it (tools/decode_ab.py). */
 #define DECODE_TILE 16
 #define DECODE_TILE_ONE_HEAD 32
 /* A unit (tile, KV head) that starts where the one before it ended, when the units before that did too, is left to
  * the hardware prefetcher (decode_prefetch's leave_after), which streams memory read in address order faster than
- * software prefetches fetch it: on the Zen 4 EPYC a plain read of each sequence's KV in order ran at 55 GB/s, with
- * the blocks at random and each prefetched by software at 36 (a scratch C harness). Such a unit's keys are read row
- * by row (qk_rows). A fresh engine places a sequence's blocks in order: against tiles of 32 with every unit
- * prefetched, the attention took 0.94 of the time with the blocks in order (attention_ab.py --placement in-order),
- * 1.01 at random, and the fused step 0.973-0.975 at batch 16, context 512, 1.00 at context 128 (same bits). */
+ * software prefetches fetch it. Such a unit's keys are read row by row (qk_rows). A fresh engine places a
+ * sequence's blocks in order, so most units stream; blocks placed at random keep the software prefetch
+ * (tools/attention_ab.py --placement in-order, or random). */
 #define DECODE_STREAM_AFTER 2
-/* Tiles of 16 fetch two units ahead (one unit: 4 KiB at smollm2's head size): one ahead took 1.07x the attention
- * of tiles of 32 with the blocks at random. */
+/* Tiles of 16 fetch two units ahead (one unit: 4 KiB at smollm2's head size): a unit ahead is too short a lead for
+ * blocks placed at random (tools/attention_ab.py). */
 #define DECODE_PREFETCH_AHEAD 2
-/* The AVX2 task's tile, with decode_prefetch: 32 against 64 0.965 (attention alone over 30 cold layers at batch
- * 16, context 512, one process); 16 and 128 were slower (1.19, 1.08). With the dim-64 blocks (rows in address
- * order), a task of DECODE_TILE_AVX2_LONG_MIN positions or more goes in tiles of 64 (fewer prefetch restarts): the
- * fused step at batch 16, context 512 took 0.979 of the time (bench/decode_ab.py, quartiles 0.961 / 0.999, same
- * bits); tiles of 64 for every task gave 1.013 at context 128, where a task's first tile, which nothing
- * prefetched, is a larger share (with the threshold 0.997). */
+/* The AVX2 task's tile, with decode_prefetch: 32 positions (16, 64 and 128 read cold KV slower;
+ * tools/attention_ab.py). With the dim-64 blocks (rows in address order), a task of DECODE_TILE_AVX2_LONG_MIN
+ * positions or more goes in tiles of 64 (fewer prefetch restarts); shorter tasks keep 32, where a task's first
+ * tile, which nothing prefetches, is a larger share (tools/decode_ab.py). */
 #define DECODE_TILE_AVX2 32
 #define DECODE_TILE_AVX2_LONG 64
 #define DECODE_TILE_AVX2_LONG_MIN 512
@@ -174,12 +169,8 @@ static inline int64_t decode_tile_avx2(int64_t n) {
 /* A decode task's software prefetch. The task reads its rows in units of (tile, KV head), keys then values, and
  * while it computes on one unit it fetches the next into L2, a share of a row per loop iteration so that the
  * requests go out evenly over the unit's work (every pass over it, not only the first's). The hardware prefetcher
- * alone leaves the arithmetic waiting on its rows: without this, 1.33-1.43x a plain read of the same KV, with it
- * 1.23x (session 18's C harness). Against prefetching 16 positions ahead from the first query head only: 0.931 of
- * the step at batch 16, context 512, 0.974 at context 128 and at batch 1 (decode_ab.py). The AVX-512 task against
- * the same earlier scheme (with a second one 4 positions ahead into L1) on the Zen 4 EPYC: attention alone over 30
- * cold layers 0.81 of the time at batch 16, context 512; the fused step 0.91 there, 0.94 in bfloat16, 0.95 at
- * context 128, 0.99-1.00 at batch 1 (same bits). `step`: rows per iteration, 16.16 fixed point. */
+ * alone leaves the arithmetic waiting on its rows, and a prefetch a fixed distance ahead from the first query head
+ * only sends the requests in bursts (tools/attention_ab.py). `step`: rows per iteration, 16.16 fixed point. */
 #define DEFINE_DECODE_PREFETCH(SUF, T)                                                                           \
     typedef struct {                                                                                             \
         const T *base;                                                                                           \
@@ -229,10 +220,8 @@ static inline int64_t decode_tile_avx2(int64_t n) {
  * and V vector is loaded once for all of them: 3 x 4 accumulators, the QB query (or weight) vectors and the one
  * loaded vector fill the 16 registers. qk: the scores of positions rows[0..3], each summed across lanes as sum8x8
  * sums (the same bits as one head at a time); pv: 32 dims of positions [j0, j1) into the QB accumulators. The
- * task's prefetch (decode_prefetch) advances every 16 dims in qk and every position in pv: with qk advancing once
- * per block of four positions the attention over cold KV took 0.93 of the per-head kernel's time, every 16 dims
- * 0.92, every 32 dims 1.12. The fused step against the per-head kernel (decode_ab.py): 0.970 at batch 16, context
- * 512, 0.961 in bfloat16, 0.988 at context 128, 1.00 at batch 1. */
+ * task's prefetch (decode_prefetch) advances every 16 dims in qk and every position in pv, the pace that spreads
+ * its requests most evenly over cold KV (every 32 dims falls behind; tools/attention_ab.py). */
 #define DEFINE_GQA_AVX2(SUF, T, QB)                                                                              \
     static inline void qk4_avx2_##SUF##_##QB(const float *q, const T *kc, const int64_t *rows, int64_t dim,      \
                                              float scale, float *s, int64_t n, __m128 *vmax,                     \
@@ -278,10 +267,9 @@ static inline int64_t decode_tile_avx2(int64_t n) {
     }
 /* The dim-64 blocks: one query head over a tile's rows, each K (qk) or V (pv) row read whole before the next,
  * so a block's rows come from memory in address order; the GQA blocks above step through four rows at once, 32
- * bytes of each, and the memory system serves that order slower (a plain read of randomly placed 4 KiB blocks:
- * 1.2-1.3x slower in the GQA blocks' order on the Zen 2 EPYC). The task's later query heads of the KV head read
- * the tile again from L1. The same sums in the same order as the GQA blocks (the same bits); 0.94 of their time
- * over 30 cold layers at batch 16, context 512 (bench/attention_ab.py). */
+ * bytes of each, an order the memory system serves slower. The task's later query heads of the KV head read the
+ * tile again from L1. The same sums in the same order as the GQA blocks (the same bits), in less time over cold KV
+ * (tools/attention_ab.py). */
 #define DEFINE_ROWS64_AVX2(SUF, T)                                                                               \
     static inline void qk_rows64_##SUF(const float *q, const T *kc, const int64_t *rows, int64_t m, float scale, \
                                        float *s, __m128 *vmax, float *smax, decode_prefetch_##SUF *pf) {         \
@@ -464,9 +452,9 @@ DEFINE_DECODE_AVX2(bf16, bf16_t)
 #if defined(KSANA_AVX512)
 /* The decode task in AVX-512: the AVX2 task's tiles, passes, prefetch and rounding, 16 lanes wide, and the query
  * heads that share a KV head (GQA) served together: up to four of them per load of each K and V row (the AVX2 task
- * serves up to three). The loads per FMA drop from above one to about a half. One-process A/Bs
- * on smollm2's shapes (9 query, 3 KV heads, batch 16, 30 layers): 25% less time with the KV in cache, 4-7% less
- * read from memory. Same exp, so the same softmax weights; the dot products sum in another order than AVX2's. */
+ * serves up to three). The loads per FMA drop from above one to about a half, which shows most with the KV in
+ * cache (tools/attention_ab.py --hot). Same exp, so the same softmax weights; the dot products sum in another
+ * order than AVX2's. */
 #include <immintrin.h>
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
@@ -789,8 +777,7 @@ static inline __m256 silu8(__m256 g) {
     }
 /* rms_norm_row's passes 8 lanes at a time. The residual's sums and the output's products are the scalar loops'
  * operations lane for lane; the sum of squares goes into four 8-lane partial sums, then sum8 of their sum (the
- * scalar loop left the order to the compiler). 512 rows of 576 on two threads of the AMX Xeon: bfloat16 89 -> 53
- * us, with the residual's add 128 -> 83 (float32 23 -> 18, 53 -> 51). */
+ * scalar loop left the order to the compiler). The gain is mostly bfloat16's, whose scalar loop is conversions. */
 #define RMS_ADD_AVX2(SUF)                                                                                        \
     for (; d + 8 <= dim; d += 8)                                                                                 \
         store8_##SUF(residual_out + d, _mm256_add_ps(load8_##SUF(src + d), load8_##SUF(add + d)));
@@ -870,8 +857,8 @@ static decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t n
 }
 
 /* The silu_and_mul op's row: in an AVX-512 build the 16-lane one that decode_layers runs (the same values),
- * defined with the packed linear: 512 rows of 1536 on two threads of the AMX Xeon, bfloat16 343 -> 240 us
- * (float32 the same, at the L3's bandwidth). */
+ * defined with the packed linear; faster than the 8-lane row in bfloat16 (float32 runs at the caches' bandwidth
+ * either way). */
 #if defined(KSANA_AVX512)
 static void silu_and_mul_row16_f32(const float *g, float *o, int64_t d);
 static void silu_and_mul_row16_bf16(const bf16_t *g, bf16_t *o, int64_t d);
@@ -1187,9 +1174,7 @@ static inline float prefill_softmax8(float *sr, int64_t j0, int64_t j1) {
 #if defined(KSANA_AVX512)
 /* The same products 16 lanes wide: a tile's 16 keys in one vector, NT tiles (NT x 16 keys) for MR rows at a time,
  * and 16 of head_dim a vector in the weighted sums of values. Each output is the same FMAs in the same order, so
- * the same bits as the AVX2 kernels'. smollm2's heads on two threads of the AMX Xeon: 0.89 of the time at 512 new
- * tokens, 0.84 at 128, 0.90 at 1,024, 0.85 for 256 over a 512-token prefix; with prefill_softmax16 too, 0.73-0.77
- * of the AVX2 kernels' time. */
+ * the same bits as the AVX2 kernels', with half the instructions. */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 #define DEFINE_PREFILL_QK16(MR, NT)                                                                              \
@@ -1240,8 +1225,7 @@ DEFINE_PREFILL_QK16(3, 1)
 DEFINE_PREFILL_PV16(4)
 DEFINE_PREFILL_PV16(1)
 #define PREFILL_SOFTMAX prefill_softmax16
-/* prefill_softmax8 16 lanes wide: the same exp, so the same weights; their sum in another order (0.93-0.96 of the
- * time with the 16-lane products, the cases above). */
+/* prefill_softmax8 16 lanes wide: the same exp, so the same weights; their sum in another order. */
 static float prefill_softmax16(float *sr, int64_t j0, int64_t j1) {
     int64_t full = j0 + (j1 - j0) / 16 * 16;
     __mmask16 tail = (__mmask16)((1u << (j1 - full)) - 1u);
@@ -1492,8 +1476,8 @@ void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *
  * once; larger inputs (prefill) run tiles of 8 rows x 3 panels, the panels' K x 48 block staying in L2 while
  * every row tile passes over it. The input is transposed first into [K][stride] blocks (16 rows, or 8 per row
  * tile), widened to float32. Accumulation is float32 and each output is rounded once, as oneDNN's bfloat16 matmul
- * does. On smollm2's projections at 16 rows this reached 1.2-1.3x the rate of the earlier dot-product tiles over
- * torch's layout and 1.8x MKL's (scratch A/B in one process), and 0.9-1.04x MKL's at 480 rows.
+ * does. At decode sizes this streams the weights faster than BLAS over torch's layout, and keeps up with it at
+ * prefill sizes (bench/kernel_ops.py).
  * The tiles above are AVX-512's (they need its 32 vector registers); AVX2 builds have tiles of their own over the
  * same panels (see DEFINE_PACKED_TILE_AVX2). `linear_available` tells Python; other CPUs keep torch's layout and
  * BLAS.
@@ -1531,14 +1515,10 @@ int set_packed_prefetch_min_rows(int rows) { /* the previous setting */
  * it runs (decode_layers). At 16 rows the projection is bound by the FMAs and reads its weights at about half the
  * read ceiling, so the split tile (the 9-16-row decode tile) sends one prefetch of this list into L2 for every k
  * of its first half, a line for every two of weights; the attention then finds most of that task's keys and
- * values in L2 instead of memory. One task of 512 positions is 786 KiB of smollm2's float32 KV, within a Zen 4
- * core's 1 MiB L2; the qkv weights are 1.1 MiB a thread, so about 70% of it arrives. On the Zen 4 EPYC the fused
- * step at batch 16, context 512 took 0.9885 of the time (bench/decode_ab.py, 136 pairs, same bits), 0.996 at
- * context 128, 0.991 in bfloat16. Measured and not kept, against this rate: a line per k in both halves (the whole
- * task arrives) 1.012, one every second k 1.004. Against no warming: the next layer's tasks during the MLP, where
- * the lines wait in L3 behind the MLP's weights, 1.06-1.08 (the matmuls slow more than the attention gains); the
- * second task too, during the layer before's down projection, 1.016 of the first task alone. The AVX2 tiles do
- * not warm (KV_WARMS). */
+ * values in L2 instead of memory (a task of 512 positions is 786 KiB of smollm2's float32 KV, within a 1 MiB L2).
+ * Warming more (a line per k in both halves), or the next layer's tasks during the MLP (the lines then wait in L3
+ * behind the MLP's weights and slow its matmuls more than the attention gains), costs more than it saves
+ * (tools/decode_ab.py). The AVX2 tiles do not warm (KV_WARMS). */
 #if defined(KSANA_AVX512)
 #define KV_WARMS 1
 #else
@@ -1713,12 +1693,9 @@ DEFINE_PANEL_STORE(bf16, bf16_t)
 /* 9-16 input rows (MR) x 2 panels in two halves of rows, 8 and MR - 8, one SPLIT_KC-long block of k at a time:
  * each half's 16 accumulators come from (and go back to) the stack between blocks, while the block's 2 KiB of
  * weights stay in L1 for the second half. Per k that is 2 weight loads and 8 broadcasts for 16 FMAs, where the
- * one-panel tile needs 17 loads for 16: over a 512 MiB packed weight at 16 rows on two threads of the AMX Xeon it
- * streamed 24.5 GB/s against 21.9 (the one-row stream: 29.4); a decode step at batch 16 took 0.93-0.95 of the
- * one-panel tile's (bench/decode_ab.py). Each half prefetches one panel's stream, so the requests go out evenly
- * over the block (4% faster than both from the first half; blocks of 12-24 k measured alike, 8 and 32 slower).
- * Every output is the same sum in the same order (one FMA per k, then the bias) as the one-panel tile's, so both
- * give the same bits. */
+ * one-panel tile needs 17 loads for 16, so the weights stream faster (tools/decode_ab.py). Each half prefetches one
+ * panel's stream, so the requests go out evenly over the block. Every output is the same sum in the same order
+ * (one FMA per k, then the bias) as the one-panel tile's, so both give the same bits. */
 #define SPLIT_KC 16
 #define DEFINE_PACKED_SPLIT_TILE(SUF, T, MR)                                                                     \
     static void packed_split_tile_##SUF##_##MR(const float *a, const T *w, int64_t panel_len, int64_t K,         \
@@ -1768,12 +1745,10 @@ DEFINE_PANEL_STORE(bf16, bf16_t)
  * SPLIT_KC k while the block's 3 KiB of weights are in L1, then the next block, each tile's 24 accumulators kept
  * on the stack between blocks. The gemm tiles (what larger inputs take) run each row tile over the whole K
  * instead, so only the first streams weights from memory and the others compute from L2 while the memory idles;
- * here the first three tiles each prefetch one panel's stream, spread over every block. Scratch C harness, a
- * 512 MiB weight, K = 576, two threads, the AMX Xeon: 24 / 32 / 48 / 64 rows in 0.80 / 0.84 / 0.89 / 0.95 of the
- * gemm tiles' time. Same sums in the same order as the gemm tile's: the same bits. float32 only: a bfloat16
- * weight is half the bytes and its widening more arithmetic, so there the step is FLOP-bound and the accumulators'
- * trips to the stack cost more than the stream gains (decode_ab.py: 1.027 of the step at batch 32, 1.060 at 48;
- * float32: 0.905 at 32, 1.001 at 64). */
+ * here the first three tiles each prefetch one panel's stream, spread over every block. Same sums in the same
+ * order as the gemm tile's: the same bits. float32 only: a bfloat16 weight is half the bytes and its widening more
+ * arithmetic, so there the step is FLOP-bound and the accumulators' trips to the stack cost more than the stream
+ * gains (tools/decode_ab.py at batches 32-64). */
 #define SWEEP_TILES 8
 #define SWEEPS(T) (sizeof(T) == sizeof(float))
 #define DEFINE_PACKED_SWEEP(SUF, T)                                                                              \
@@ -1861,8 +1836,7 @@ DEFINE_PANEL_STORE(bf16, bf16_t)
         packed_split_tile_##SUF##_14, packed_split_tile_##SUF##_15, packed_split_tile_##SUF##_16};
 
 /* 1-3 rows: four panels, for 4-12 accumulators in flight; 4-8 rows: two (at 8 rows, 2 weight loads and 8
- * broadcasts for 16 FMAs: a batch-8 step 0.978 of one panel's, decode_ab.py on the AMX Xeon); 9-16: the split
- * tile's two. */
+ * broadcasts for 16 FMAs); 9-16: the split tile's two. */
 static inline int panels_of_decode_tile(int64_t rows) { return rows >= 4 ? 2 : 4; }
 /* Panels per group of packed_groups: the decode tile's up to DECODE_ROWS rows, the gemm tiles' above. */
 static inline int panels_per_group(int64_t rows) {
@@ -1965,11 +1939,9 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
      * Panel groups are handed out in chunks of a thread's share of what is left, down to one: a thread the OS   \
      * preempts (the event loop of a server shares these cores) leaves the rest to the others, the last chunks   \
      * are small so the threads reach the barrier together, and the early ones are long contiguous streams (each \
-     * new chunk restarts the stream). Fixed 1/8 shares were 0-3% slower over smollm2's 120 projections at 16    \
-     * rows (the batch-16 forward 4%); half a thread's share (sessions 14-26) 1.030 of the batch-16 step at      \
-     * context 128, 1.014 at 512, 1.003 at batch 1 (bench/decode_ab.py on the AMX Xeon, session 27). A           \
-     * preempted thread now holds up to half the work of the first chunks, not a quarter: saturated serving on   \
-     * that VM measured the same (bench/serving_vs_offline.py 0.977 against 0.978). */                           \
+     * new chunk restarts the stream; fixed or smaller shares are slower, tools/decode_ab.py). A preempted thread\
+     * holds up to half the work of the first chunks, which saturated serving does not feel                      \
+     * (bench/serving_vs_offline.py). */                                                                         \
     static void packed_groups_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,     \
                                     int64_t K, int64_t *next_group, int64_t nthreads, greedy_groups *greedy) {   \
         int64_t panels = (N + PANEL - 1) / PANEL, panel_len = K * PANEL;                                         \
@@ -2019,11 +1991,9 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
     }                                                                                                            \
     /* gate_up and SwiGLU in one pass, for decode_layers (see swiglu_fusable): a group is gate panel g and up    \
      * panel g + inter / 16, which the two-panel tile takes as two panels inter / 16 panels apart, into a block  \
-     * on the stack; then the SwiGLU of each of the block's rows straight into down's packed input `a_out`      \
+     * on the stack; then the SwiGLU of each of the block's rows straight into down's packed input `a_out`       \
      * (swiglu_into_packed). The same values as the matmul, the SiLU pass and the packing, without the           \
-     * [M, 2 * inter] output, the SiLU phase or its barrier: a batch-16 decode step in 0.952 of the time at      \
-     * context 128, 0.963 at 512, 0.958 in bfloat16, 0.956 at batch 8, 0.98-0.99 at 1-4 rows (bench/decode_ab.py \
-     * on the AMX Xeon, same bits). */                                                                           \
+     * [M, 2 * inter] output, the SiLU phase or its barrier (tools/decode_ab.py, same bits). */                  \
     DEFINE_SWIGLU_INTO_PACKED(SUF, T)                                                                            \
     static void packed_swiglu_groups_##SUF(const float *a, const T *w, int64_t M, int64_t inter, int64_t K,      \
                                            int64_t *next_group, int64_t nthreads, float *a_out) {                \
@@ -2067,14 +2037,12 @@ static void greedy_combine(const greedy_groups *greedy, int64_t slice, int64_t r
  * and one weight vector. Each k is one 64-byte line of every panel, as in the AVX-512 tiles, and the output's
  * summation order is the same (one FMA per k, then the bias): both builds give the same bits. A decode step's
  * rows (and prefill's, across row tiles: avx2_row_chunks) go in chunks of up to 3 rows over each panel group, a
- * block of k at a time (see packed_groups). Against F.linear (MKL) over smollm2's 120 projections on an AVX2 EPYC
- * (Zen 3, 2 threads, one process): 1 row 20 ms against 56-70, 16 rows 37-50 against 108-139 (28-38 since the row
- * chunks prefetch the next block), 512 rows 115 GFLOP/s against 95. */
+ * block of k at a time (see packed_groups). It streams the weights faster than BLAS over torch's layout at decode
+ * sizes (bench/kernel_ops.py). */
 #define AVX2_MR 3       /* input rows per tile */
 /* Values of k per pass of the row chunks over a panel group (see packed_groups): with one chunk (up to 3 rows) it
  * only sets how often the partial sums are saved; 4-8 rows 32 (4 KiB of a panel group's float32 in L1), 9-16 rows
- * 64, more 128. Against 128 for all (one-process A/B over smollm2's 120 projections, with the chunks' prefetch):
- * 32 at 4 / 6 / 8 rows 0.95 / 0.97 / 0.86-0.89, 64 at 16 rows 0.97 (32 there 1.05 of 64), 64 at 512 rows 1.07. */
+ * 64, more 128, each the fastest block for its rows over smollm2's projections (tools/decode_ab.py). */
 static inline int64_t avx2_kblock(int64_t M) {
     return M < 4 ? 128 : M <= ROW_TILE ? 32 : M <= DECODE_ROWS ? 64 : 128;
 }
@@ -2103,9 +2071,9 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
 
 /* MR rows of the packed input x NP panels (`panel_len` apart), over k in [k0, k1): the accumulators start at zero
  * (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the output (MR rows, the last panel's first
- * `last_cols` columns, plus the bias). A tile does not prefetch its own panels, unlike the AVX-512 tiles: on an
- * EPYC (Zen 3) the hardware prefetchers stream them alone, and the AVX-512 tiles' two prefetches cost 25% of the
- * time at 1 row, 13% at 4 and 6% at 16 (one-process A/B over smollm2's 120 projections). With PF it prefetches
+ * `last_cols` columns, plus the bias). A tile does not prefetch its own panels, unlike the AVX-512 tiles: on AMD
+ * CPUs with AVX2 only the hardware prefetchers stream them alone, and the AVX-512 tiles' prefetches there cost
+ * time, most at few rows. With PF it prefetches
  * lines of the block the thread streams next instead: line (k - k0) * pf_step / 2^16 of `pf` at each k, so a share
  * of them goes evenly over its k (see packed_groups). Row m's k-th value is at a[k * a_step + m], or with ROWS
  * (chunks across the input's row tiles, see avx2_row_chunks) at a[m][k * a_step]. */
@@ -2122,7 +2090,7 @@ static inline void st_panel_bf16(bf16_t *o, __m256 lo, __m256 hi, const bf16_t *
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)                                                     \
             _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NP; j++)                                             \
                 acc[m][j] = k0 ? _mm256_loadu_ps(part + (m * 2 * NP + j) * 8) : _mm256_setzero_ps();             \
-        /* k unrolled by two: 0.88-0.96 of the time at 16 rows, 0.91 at 64, the same at 1 (one-process A/B) */  \
+        /* k unrolled by two: fewer loop branches between the FMAs, the same bits */                             \
         _Pragma("GCC unroll 2") for (int64_t k = k0; k < k1; k++) {                                              \
             __m256 x[MR];                                                                                        \
             if (PF) _mm_prefetch((const char *)(pf + ((k - k0) * pf_step >> 16) * PANEL), _MM_HINT_T0);          \
@@ -2189,8 +2157,8 @@ static inline int avx2_panels_per_group(int64_t M, int64_t mr) {
 }
 /* A model of a decode pass's tile time per panel and k, chunks of at most `mr` rows: a chunk's FMAs a k at two a
  * cycle, but no faster than the 5-cycle FMA latency of one accumulator (fewer than 10 accumulators wait on it),
- * over its panels, plus 0.3 for each chunk (its passes over the block from L1, its partial sums); fitted to
- * one-process A/Bs of the two chunkings below on the Zen 2 EPYC (2 to 16 rows, smollm2's projections). */
+ * over its panels, plus 0.3 for each chunk (its passes over the block from L1, its partial sums); fitted to the
+ * packed linear's times with the two chunkings below at 2 to 16 rows over smollm2's projections. */
 static inline double avx2_pass_cost(int64_t M, int64_t mr) {
     int np = avx2_panels_per_group(M, mr);
     double cost = 0;
@@ -2205,13 +2173,9 @@ static inline double avx2_pass_cost(int64_t M, int64_t mr) {
 }
 /* Rows per chunk of a float32 decode pass (up to DECODE_ROWS rows, not the gate_up pairs, whose groups are two
  * panels): 2-row chunks over 3 panels where the model says they beat the 3-row chunks over 2, which leave
- * 2-row chunks over 2 panels (8 accumulators) wherever the rows do not split into threes. At 16 rows (2 + 3 +
- * 3 twice against 2 x 4 twice) the packed linear took 0.96-0.97 of the time over smollm2's shapes, at 12 rows
- * 0.925, 8 rows 0.98 (the lm_head 0.93), 9 and 10 rows 0.94-0.97; at 5, 6, 11, 13 and 14 rows the model keeps
- * threes (2-row chunks there: 1.00-1.10). The fused step at batch 16 (bench/decode_ab.py): context 128 0.987,
- * context 512 1.002, where the attention's KV reads set the pace. The same sums in the same order: the same
- * bits. Not for bfloat16 weights: there each of the 3 panels' loads also widens its values, and 2-row chunks
- * took 1.03-1.14x the time at 8-16 rows. */
+ * 2-row chunks over 2 panels (8 accumulators) wherever the rows do not split into threes (at 8, 9, 10, 12 and 16
+ * rows; tools/decode_ab.py). The same sums in the same order: the same bits. Not for bfloat16 weights: there each
+ * of the 3 panels' loads also widens its values, and 2-row chunks are slower. */
 static inline int64_t avx2_decode_mr(int64_t M) {
     return avx2_pass_cost(M, 2) < avx2_pass_cost(M, AVX2_MR) ? 2 : AVX2_MR;
 }
@@ -2246,9 +2210,8 @@ static inline avx2_next_block avx2_next(int64_t g, int64_t g1, int64_t *next_gro
 /* The row chunks' shares of the next block, for every block of one shape: chunk c < `n` prefetches from line
  * `at[c]` past the block's start, `step[c]` lines per k as 16.16 fixed point; chunks from `n` on prefetch
  * nothing. Blocks of a matmul share a shape but for a group's last k block and the last group, so the table is
- * made again only when the shape changes (`key`). Made for every tile call, as it was, its integer divisions
- * cost 2% of a batch-16 decode step at context 128 (decode_ab.py 0.980, same bits; 0.976-0.983 over smollm2's 120
- * projections at 16 rows, the same at 1, 8 and 64). */
+ * made again only when the shape changes (`key`): its integer divisions, made for every tile call, would cost
+ * a decode step about 2%. */
 #define AVX2_SHARES 64 /* chunks that can prefetch: at most np * kblock / 16, 4 * 128 / 16 = 32 */
 typedef struct {
     int64_t key[4], n, at[AVX2_SHARES], step[AVX2_SHARES];
@@ -2275,11 +2238,9 @@ typedef struct {
     int rows;
 } avx2_chunk;
 /* Above DECODE_ROWS rows, three consecutive rows a chunk, across the packed input's row tiles, and 2 + 2 for a
- * last 3 + 1. Within the tiles (3 + 3 + 2) a 2-row chunk took 0.73 of a 3-row chunk's time for 0.67 of its FLOPs
- * (`perf` of a prefill); this way a 512-token prefill takes 0.945 of the time (median of 24 pairs, quartiles
- * 0.926 / 0.985: the projections of the two builds taking turns in one engine, same tokens), and smollm2's four
- * projections at 512 rows 0.94-0.98. Up to 16 rows the chunks stay within the tiles: across them (3 + 3 + 3 + 3
- * + 2 + 2 at 16 rows), with a pointer per row for every tile, the step took 1.011-1.015 (decode_ab.py). */
+ * last 3 + 1: within the tiles (3 + 3 + 2) a 2-row chunk costs nearly a 3-row chunk's time for two thirds of its
+ * FLOPs. Up to 16 rows the chunks stay within the tiles: across them a pointer per row for every tile costs the
+ * decode step more than the fuller chunks gain (tools/decode_ab.py). */
 static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *chunk) {
     int64_t chunks = avx2_chunks(M, AVX2_MR);
     for (int64_t ci = 0; ci < chunks; ci++) {
@@ -2300,13 +2261,10 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
     /* The matmul over packed input `a` (pack_row's layout) for the calling thread, taking panel groups from     \
      * `next_group` in chunks as the AVX-512 packed_groups does. A group goes avx2_kblock values of k at a time: \
      * every row chunk passes over that block (in L1) before the next, the first one streaming it from memory,   \
-     * so the stream runs beside the arithmetic, not before it (16 rows: 48 ms against 60 over smollm2's 120     \
-     * projections, each chunk over the whole group); the chunks' partial sums wait in `part`. Meanwhile the     \
-     * chunks prefetch the block the thread streams next (avx2_next), evenly over the block's work: else the     \
-     * first chunk stalls on memory and the rest run from L1 with memory idle (perf: the first, 2-row chunk had  \
-     * more samples than the two 3-row ones together). 16 rows: 0.80-0.88 of the time over smollm2's 120         \
-     * projections, 32 rows 0.89, 64 rows 0.97, the same at 1, 4 and 8 (one-process A/B, same bits).             \
-     * With `pair_half` > 0 (up to DECODE_ROWS rows; see packed_swiglu_groups) group g is panels g and          \
+     * so the stream runs beside the arithmetic, not before it; the chunks' partial sums wait in `part`.         \
+     * Meanwhile the chunks prefetch the block the thread streams next (avx2_next), evenly over the block's work:\
+     * else the first chunk stalls on memory and the rest run from L1 with memory idle.                          \
+     * With `pair_half` > 0 (up to DECODE_ROWS rows; see packed_swiglu_groups) group g is panels g and           \
      * g + pair_half, computed into a block on the stack, whose SwiGLU goes into `act_out` (swiglu_into_packed). \
      * `greedy` is the AVX-512 build's (this one computes logits; see packed_linear_greedy). */                  \
     static void packed_pass_##SUF(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t N,       \
@@ -2395,7 +2353,7 @@ static void avx2_row_chunks(const float *a, int64_t M, int64_t K, avx2_chunk *ch
 /* Greedy decoding from the lm_head through the logits (the AVX-512 build fuses it: see there): the packed
  * linear's logits, widened to float32 as the model's logits path widens them, through greedy_logprobs, so the
  * results are the logits path's exactly. Float32 logits of the whole vocabulary go to greedy_logprobs as they
- * are: the copy of 3 MB at batch 16 (smollm2) was 0.4 ms of a 6.6 ms call (0.941 in the engine, same tokens). */
+ * are; their copy is a small part of the call. */
 #define DEFINE_PACKED_GREEDY(SUF, T)                                                                             \
     void packed_linear_greedy_##SUF(const T *x, int64_t x_stride, const T *w, int64_t M, int64_t N, int64_t K,   \
                                     int64_t vocab, int64_t *ids, float *logprobs, int nthreads) {                \
@@ -2543,20 +2501,19 @@ DEFINE_PACKED_LINEAR(bf16, bf16_t)
 /* ---- A decode step's decoder layers in one call ---------------------------------------------------------------
  *
  * The same ops, in the same order, as DecoderLayer.forward over the native kernels, so the results are identical
- * to the op-by-op path; what goes is Python between the ops. On this CPU each op called from Python costs tens of
+ * to the op-by-op path; what goes is Python between the ops. Each op called from Python costs tens of
  * microseconds once the matmul before it has streamed megabytes of weights through the caches (the interpreter's
  * own working set is evicted), about ten calls a layer.
  * The whole step is one OpenMP region: the team meets at a barrier between phases instead of forking and joining
- * for each op (five regions a layer before). Every thread runs the row-wise ops on all the rows, into its own
- * residual stream, normed rows and packed matmul input (pack_tiles: an 8x8 transpose per 8 columns, where one
- * strided store per value cost about 0.6 ms a batch-16 step): they are microseconds of work, and a thread that
- * computes them itself needs no barrier before the matmul that reads them (five barriers a layer, not eight:
- * 0.9925 of the batch-16 step at context 512, bench/decode_ab.py on the Zen 4 EPYC). Each sequence's rotary and
- * KV store run in its attention task when a task is a whole sequence.
- * `table` holds DECODE_LAYER_FIELDS addresses per layer (see kernels/cpu/ops.py, DecodeLayerWeights); biases may
- * be 0. `h` [M, hidden] is the embedding on entry and, on return, the last layer's MLP output, or with
- * `final_norm` (last, so that a build without it, in bench/decode_ab.py, still reads its other arguments) the
- * model's final norm of it; `residual` receives the residual stream (with `final_norm`, the sum that norm took).
+ * for each op. Every thread runs the row-wise ops on all the rows, into its own residual stream, normed rows and
+ * packed matmul input (pack_tiles: an 8x8 transpose per 8 columns, not one strided store per value): they are
+ * microseconds of work, and a thread that computes them itself needs no barrier before the matmul that reads them
+ * (five barriers a layer, not eight). Each sequence's rotary and KV store run in its attention task when a task
+ * is a whole sequence.
+ * `table` holds DECODE_LAYER_FIELDS addresses per layer (see kernels/cpu/ops.py, _addresses, and DecodeLayerWeights
+ * in kernels/dispatch.py); biases may be 0. `h` [M, hidden] is the embedding on entry and, on return, the last
+ * layer's MLP output, or with `final_norm` the model's final norm of it; `residual` receives the residual stream
+ * (with `final_norm`, the sum that norm took).
  */
 /* The team's barrier between decode_layers' phases. libgomp's barrier spins only 100 times before it sleeps in
  * the kernel once its pools hold more threads than there are CPUs (see ksana/worker/fresh_thread.py, which keeps
@@ -2585,7 +2542,7 @@ static void team_wait(team_barrier *barrier, int nthreads, int *my_sense) {
     }
 }
 
-/* The fused step's phases, timed: only in the build bench/decode_phases.py makes (-DKSANA_PHASE_CLOCK). Each
+/* The fused step's phases, timed: only in the build tools/decode_phases.py makes (-DKSANA_PHASE_CLOCK). Each
  * thread adds, per phase, the time from leaving the previous barrier to reaching this phase's (work) and the time it
  * then waits there (wait); decode_phase_clock hands the sums over and clears them. Without the flag TEAM_WAIT is the
  * plain barrier and the kernel is the one the engine runs. */
@@ -2627,7 +2584,7 @@ static void phase_mark(int tid, int phase) { /* a phase that ends without a barr
     phase_clocks[tid].mark = now;
 }
 
-/* How many phases the clock has: bench/decode_phases.py's names must match the enum above. */
+/* How many phases the clock has: tools/decode_phases.py's names must match the enum above. */
 int decode_phase_count(void) { return PHASES; }
 
 /* out[t][0][p], out[t][1][p]: thread t's work and wait seconds in phase p since the last call, t < threads. */
@@ -2833,6 +2790,10 @@ int linear_available(void) { return 1; }
     }
 DEFINE_PACKED_STUBS(f32, float)
 DEFINE_PACKED_STUBS(bf16, bf16_t)
+void unpack_weight_f32(void) { abort(); }
+void unpack_weight_bf16(void) { abort(); }
+int packed_rows_f32(void) { abort(); }
+int packed_rows_bf16(void) { abort(); }
 void decode_layers_f32(void) { abort(); }
 void decode_layers_bf16(void) { abort(); }
 void packed_linear_greedy_f32(void) { abort(); }

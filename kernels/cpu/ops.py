@@ -16,44 +16,40 @@ import torch
 import torch.nn.functional as F
 
 from .. import activation, attention, norm, rotary
+from ..attention_metadata import AttentionMetadata
+from ..dispatch import DecodeLayers, DecodeLayerWeights
 from .build import DTYPE_SUFFIX, SIGNATURES
 from .huge_pages import huge_page_empty
 from .packed import PANEL, PackedWeight, packed_numel
 
-# Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, which at batch 1
-# cost 0.26 ms more in the lm_head for 0.12 ms less sampling (one process, alternating step by step).
+# Fewer rows keep the logits path: the fused kernel works on 16 rows at once whatever their number, so at a few rows
+# its lm_head costs more than the sampling it saves (tools/decode_phases.py times the lm_head after the fused step).
 FUSED_GREEDY_MIN_ROWS = 8
 # Lookups of up to this many ids from a packed embedding run natively, one thread (a decode step's batch); a
 # prefill's go through torch's indexing.
 NATIVE_EMBEDDING_MAX_ROWS = 64
 # From this many rows a bfloat16 matmul over a packed weight goes to torch's oneDNN matmul where the CPU has AMX:
-# its tiles run bfloat16 at 2-2.8 TFLOP/s (two cores), the native kernel (which widens to float32) at 0.3-0.35.
-# The panels are first unpacked into a scratch [K, N] matrix, which costs about one read and write of the weight:
-# at 32 rows the two paths are even for smollm2's MLP and the AMX one 1.7x faster for its attention projections;
-# at 512 (a prefill chunk) it is 6-7x faster (bench/README.md, "bfloat16 on AMX").
+# its tiles run bfloat16 several times faster than the native kernel, which widens to float32. The panels are first
+# unpacked into a scratch [K, N] matrix, about one read and write of the weight, which 32 rows repay
+# (bench/kernel_ops.py).
 AMX_MIN_ROWS = 32
-# Queries per SDPA call of a bfloat16 prefill on AMX CPUs (where ``attention.PREFILL_QUERY_CHUNK`` is 64): there
-# torch's flash attention runs bfloat16 on AMX tiles, and chunks of 256 took 0.84-0.91 of the time of chunks of 64
-# over smollm2's heads at 128-2,048 new tokens, with or without a cached prefix (scratch harness, two threads, the
-# AMX Xeon; 128 in between).
+# Queries per SDPA call of a bfloat16 prefill on AMX CPUs (elsewhere ``attention.PREFILL_QUERY_CHUNK``): there
+# torch's flash attention runs bfloat16 on AMX tiles, which longer chunks keep busier than the masked work they add
+# costs, with or without a cached prefix.
 AMX_PREFILL_QUERY_CHUNK = 256
 
 
 # The same route on AMD CPUs with AVX512_BF16 (Zen 4 and later) from this many rows: oneDNN's ``vdpbf16ps`` matmuls
-# ran 375 GFLOP/s on a Zen 4 EPYC's two cores where the native kernel ran 213, so with the unpacking they took
-# 0.51-0.57 of its time at 512 rows for every smollm2 projection, 0.62-0.85 at 128, and at 64 lost for the down
-# projection and the lm_head (1.20x, 1.14x) while winning for the others (bench/README.md, "bfloat16 on Zen 4").
-# Not on Intel's AVX-512 Xeons without AMX: there the native kernel prefilled 1.42x faster than ``transformers``'
-# oneDNN bfloat16, so oneDNN's matmul was the slower of the two.
+# outrun the native kernel enough to repay the unpacking for every projection from 128 rows, not yet for all at 64
+# (bench/kernel_ops.py). Not on Intel's AVX-512 CPUs without AMX, where the native kernel is the faster of the
+# two.
 AVX512_BF16_MIN_ROWS = 128
 
 
 # The AVX-512 packed linear's tiles of fewer input rows than this leave their weight streams to the hardware
-# prefetchers on AMD CPUs. On a Zen 4 EPYC without the software prefetches (bench/decode_ab.py, same bits): the
-# batch-1 decode step took 0.83-0.98 of the time over nine runs in two sessions (median 0.93; contexts 128 and
-# 512), batches 2-4 0.89-0.95, batch 6 1.00, while batch 8 took 1.03x and batch 16 1.10x. Intel's
-# Xeons keep them at every row count (where they were tuned; not re-measured without them). AVX2 builds have
-# their own tiles, which this does not touch.
+# prefetchers on AMD CPUs, which stream the panels faster alone at batches 1-4 and need the software prefetches
+# from batch 8 (tools/decode_ab.py, same bits either way). Intel CPUs keep them at every row count. AVX2 builds
+# have their own tiles, which this does not touch.
 AMD_PACKED_PREFETCH_MIN_ROWS = 5
 
 
@@ -93,47 +89,6 @@ def _cpu_vendor() -> str:
     return ""
 
 
-@attrs.frozen
-class DecodeLayerWeights:
-    """What ``decode_layers`` reads of one decoder layer, in the C table's order (biases may be None; the
-    projections must be packed)."""
-
-    input_norm: torch.Tensor
-    qkv: torch.Tensor | PackedWeight
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor | PackedWeight
-    o_bias: torch.Tensor | None
-    post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor | PackedWeight
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | PackedWeight
-    down_bias: torch.Tensor | None
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    sliding_window: int | None
-
-    def addresses(self) -> list[int]:
-        tensors = attrs.astuple(self, recurse=False)[:-1]
-        return [0 if t is None else _storage(t).data_ptr() for t in tensors]
-
-
-@attrs.frozen
-class DecodeLayers:
-    """A model's layers for ``decode_layers``, with the sizes it needs; the model keeps one per KV cache, and
-    the op caches its address table for as long as the model holds it (a weak reference, so a dropped model's
-    weights are freed)."""
-
-    layers: tuple[DecodeLayerWeights, ...]
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    eps: float
-    scale: float
-    final_norm: torch.Tensor | None = None  # the model's norm after the last layer, applied in the same call
-
-
 class NativeCPUOps:
     """Bound kernels of one loaded library; methods mirror the torch reference functions."""
 
@@ -148,25 +103,20 @@ class NativeCPUOps:
         self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
                      for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
         self.has_linear = bool(library.linear_available())
-        if hasattr(library, "set_packed_prefetch_min_rows"):
-            rows = packed_prefetch_min_rows() if prefetch_min_rows is None else prefetch_min_rows
-            library.set_packed_prefetch_min_rows(rows)
-        self._unpack = {dtype: getattr(library, f"unpack_weight_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
-                        if hasattr(library, f"unpack_weight_{suffix}")}
-        self._packed_rows = {dtype: getattr(library, f"packed_rows_{suffix}") for dtype, suffix in DTYPE_SUFFIX.items()
-                             if hasattr(library, f"packed_rows_{suffix}")}
-        self.bf16_blas_min_rows = bf16_blas_min_rows if torch.bfloat16 in self._unpack else None
+        rows = packed_prefetch_min_rows() if prefetch_min_rows is None else prefetch_min_rows
+        library.set_packed_prefetch_min_rows(rows)
+        self.bf16_blas_min_rows = bf16_blas_min_rows if self.has_linear else None
         self.bf16_prefill_query_chunk = bf16_prefill_query_chunk
         self._scratch = threading.local()  # each thread's unpacked weight (the worker's, perf mode's)
         self._greedy_logprobs = library.greedy_logprobs
-        available = hasattr(library, "prefill_attention_f32") and library.prefill_attention_available()
+        available = library.prefill_attention_available()
         self._prefill_attention = library.prefill_attention_f32 if available else None
         # The address table, windows and cache layout of the last ``DecodeLayers`` seen: a model passes the same
         # one each step (a new KV cache makes a new one).
         self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
 
     def decode_layers(self, model: DecodeLayers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every decoder layer of an all-decode step in one native call (see ``decode_layers`` in ksana_cpu.c):
         ``(hidden, residual)`` as the layer loop leaves them (with ``model.final_norm``, ``hidden`` is that norm of
         their sum and ``residual`` the sum), or None when the step is not one it takes (weights not packed, an
@@ -184,7 +134,7 @@ class NativeCPUOps:
             layout = _cache_layout(layers[0].k_cache, layers[0].v_cache)
             if layout is None or not all(_decode_layer_ok(layer, hidden.dtype, layout) for layer in layers):
                 return None
-            table = torch.tensor([a for layer in layers for a in layer.addresses()], dtype=torch.int64)
+            table = torch.tensor([a for layer in layers for a in _addresses(layer)], dtype=torch.int64)
             windows = torch.tensor([layer.sliding_window or 0 for layer in layers], dtype=torch.int64)
             self._table_of = (weakref.ref(model), table, windows, layout)
         _, table, windows, layout = self._table_of
@@ -221,8 +171,7 @@ class NativeCPUOps:
 
         A model passes its weights in the order a decode step reads them, so the end of one projection's panels
         runs straight into the next one's: one stream for the hardware prefetcher, where separate allocations
-        restart it at every call (smollm2's 120 projections at 16 rows: 0.5-4.5% less time in three
-        one-process A/Bs). The buffers ask for huge pages (see ``kernels/cpu/huge_pages.py``).
+        restart it at every call. The buffers ask for huge pages (see ``kernels/cpu/huge_pages.py``).
         Each result is yielded as soon as it is packed and ``weights[i]`` is read only then, so a caller that
         swaps it in and sets ``weights[i] = None`` frees each original before the next is packed: the buffer's
         pages are touched one weight at a time, and the peak stays near one copy of the weights."""
@@ -281,7 +230,7 @@ class NativeCPUOps:
         if scratch is None or scratch.dtype != rows.dtype or scratch.numel() < size:
             scratch = self._scratch.buffer = torch.empty(size, dtype=rows.dtype)
         unpacked = scratch[:size].view(in_features, panels * PANEL)
-        self._unpack[rows.dtype](weight.packed.data_ptr(), panels, in_features, unpacked.data_ptr(),
+        self._fns["unpack_weight", rows.dtype](weight.packed.data_ptr(), panels, in_features, unpacked.data_ptr(),
                                  torch.get_num_threads())
         transposed = unpacked[:, : weight.out_features]
         return torch.mm(rows, transposed) if bias is None else torch.addmm(bias, rows, transposed)
@@ -305,16 +254,16 @@ class NativeCPUOps:
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
         """``F.embedding``; a packed table (tied to the head) is gathered from its panels: a decode step's few
-        rows natively (one call, where torch's indexing takes three ops and about 0.13 ms at batch 16), more
+        rows natively (one call, where torch's indexing takes three ops), more
         (a prefill) or an id out of range by ``PackedWeight.rows``."""
         if not isinstance(weight, PackedWeight):
             return F.embedding(ids, weight)
-        gather = self._packed_rows.get(weight.dtype)
         n = ids.numel()
-        if (gather is None or ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous()
+        if (ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous()
                 or n > NATIVE_EMBEDDING_MAX_ROWS):
             return weight.rows(ids)
         out = torch.empty((n, weight.in_features), dtype=weight.dtype)
+        gather = self._fns["packed_rows", weight.dtype]
         if gather(weight.packed.data_ptr(), weight.out_features, weight.in_features, ids.data_ptr(), n,
                   out.data_ptr()):
             return weight.rows(ids)  # an id outside [0, out_features): as the indexing treats it
@@ -412,6 +361,12 @@ class NativeCPUOps:
                                 block_table.data_ptr(), q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size,
                                 *layout, scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
         return out
+
+
+def _addresses(layer: DecodeLayerWeights) -> list[int]:
+    """The layer's tensors' addresses in the C table's order (0 for a missing bias)."""
+    tensors = attrs.astuple(layer, recurse=False)[:-1]
+    return [0 if t is None else _storage(t).data_ptr() for t in tensors]
 
 
 def _decode_layer_ok(layer: DecodeLayerWeights, dtype: torch.dtype, layout: tuple[int, int]) -> bool:

@@ -5,6 +5,13 @@ Families differ only in biases and per-layer sliding windows, which subclasses s
 the target device in the target dtype and filled by the loader; q/k/v and gate/up are fused into one matmul
 each. Every op goes through the ``KernelOps`` picked for the device.
 
+Two whole-model hooks of ``KernelOps`` change how the layers run where a backend offers them (the native CPU
+kernels on AVX2 and AVX-512): ``pack_weights`` swaps every projection for the backend's ``PackedWeight`` once the
+checkpoint is loaded, and an all-decode step runs every layer and the final norm in one native call
+(``DecoderForCausalLM._decode_layers`` -> ``KernelOps.decode_layers`` -> ``NativeCPUOps.decode_layers`` in
+``kernels/cpu/ops.py`` -> ``decode_layers`` in ``kernels/cpu/ksana_cpu.c``). Every other step, and every backend
+without the hook, runs the layer loop in ``DecoderForCausalLM.forward`` op by op.
+
 Two perf-mode hooks (``set_profiler``, ``set_layer_forward_round``) cost nothing when unused: profiling swaps
 timed ``KernelOps`` into every module instead of testing a flag per op, and the layer loop only reads two
 attributes per layer.
@@ -19,9 +26,15 @@ import torch
 from torch import nn
 
 from ksana.kernels.attention_metadata import AttentionMetadata
-from ksana.kernels.cpu.ops import DecodeLayers, DecodeLayerWeights
-from ksana.kernels.cpu.packed import PackedWeight
-from ksana.kernels.dispatch import KernelOps, OpTimer, get_ops
+from ksana.kernels.dispatch import (
+    DecodeLayers,
+    DecodeLayerWeights,
+    KernelOps,
+    OpTimer,
+    PackedWeight,
+    Weight,
+    get_ops,
+)
 from ksana.models.base import CausalLM, WeightSlot
 from ksana.models.parallel import Shard, TPGroup, rank_shape, vocab_range
 from ksana.models.shape import ModelShape
@@ -48,7 +61,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _swap_in_packed(module: nn.Module, name: str, packed: torch.Tensor | PackedWeight) -> PackedWeight | None:
+def _swap_in_packed(module: nn.Module, name: str, packed: Weight) -> PackedWeight | None:
     """Swap the parameter ``name`` for its packed form when the backend packed it. The packed storage stays
     registered (as ``<name>_packed``), so ``parameters()`` still counts the bytes the model holds."""
     if not isinstance(packed, PackedWeight):
@@ -408,6 +421,7 @@ class DecoderForCausalLM(CausalLM):
     ) -> torch.Tensor:
         hidden = self._embed(input_ids)
         cos, sin = self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
+        # The fast path: an all-decode step's layers in one backend call (on the CPU, one native call).
         fused = self._decode_layers(hidden, cos, sin, kv_caches, meta)
         if fused is not None:
             return fused[0]  # the final norm ran in the same call
@@ -427,9 +441,12 @@ class DecoderForCausalLM(CausalLM):
     def _decode_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers and the final norm in one backend call when the backend fuses them and the step is plain
-        decode (one token per sequence, one block pool, no tensor parallelism, no repeated layers): ``(the normed
-        hidden states, the residual stream)``; None otherwise."""
+        """All layers and the final norm in one backend call when the backend fuses them (``ops.decode_layers``;
+        on the CPU one native call, ``decode_layers`` in kernels/cpu/ksana_cpu.c) and the step is plain decode
+        (one token per sequence, one block pool, no tensor parallelism, no repeated layers): ``(the normed hidden
+        states, the residual stream)``; None otherwise, or where the backend declines the step, and ``forward``
+        runs the layer loop. The ``DecodeLayers`` handed over is made once per KV cache, so the backend can keep
+        what it derives from it."""
         decode_layers = self.ops.decode_layers
         if (decode_layers is None or self.tp is not None or self.layer_forward_round != 1 or meta.swa is not None
                 or meta.num_decodes != hidden.shape[0] or meta.num_seqs != hidden.shape[0]):

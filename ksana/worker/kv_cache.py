@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ksana.kernels.cpu.huge_pages import huge_page_zeros
+from ksana.kernels.dispatch import kv_cache_zeros
 from ksana.models.shape import ModelShape
 
 
@@ -23,10 +23,9 @@ class KVCache:
     Head-major caches (``allocate(head_major=True)``) are views of ``[num_blocks, num_kv_heads, block_size,
     head_dim]`` tensors with the same shape and indexing: each KV head's positions of a block lie together, so a
     decode kernel reads one head's keys as one run of memory instead of a slice of every slot's row, which the
-    hardware prefetchers follow. The native CPU kernels ask for it: on an AVX2 EPYC, reading smollm2's KV (3
-    heads of 64, randomly placed 16-slot blocks) head by head ran at 22-23.5 GB/s against 13-16 slot-major, and
-    the fused batch-16 decode step at context 512 took 0.93 of the time (0.97 at context 128, the same at
-    batch 1)."""
+    hardware prefetchers follow. The native CPU kernels ask for it (``KernelOps.kv_head_major``): their decode
+    attention reads the KV faster so (``tools/kv_layout_ab.py`` sets the two layouts against each other in the
+    fused decode step)."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     num_blocks: int
@@ -45,8 +44,9 @@ class KVCache:
         num_swa_blocks: int = 0,
         head_major: bool = False,
     ) -> KVCache:
-        """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask; on huge
-        pages where the system gives them (see ``kernels/cpu/huge_pages.py``).
+        """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask; laid
+        out as the device's kernels read it fastest (``kernels.dispatch.kv_cache_zeros``: on the CPU, huge pages
+        where the system gives them).
 
         ``num_swa_blocks`` > 0 gives the sliding-window layers their own pool of that many blocks; ``head_major``
         lays each block out head by head (see the class)."""
@@ -56,10 +56,10 @@ class KVCache:
             blocks = num_swa_blocks if i in swa_layers else num_blocks
             if head_major:
                 dims = (blocks, shape.num_kv_heads, block_size, shape.head_dim)
-                pair = tuple(huge_page_zeros(dims, dtype, device).transpose(1, 2) for _ in range(2))
+                pair = tuple(kv_cache_zeros(dims, dtype, device).transpose(1, 2) for _ in range(2))
             else:
                 dims = (blocks, block_size, shape.num_kv_heads, shape.head_dim)
-                pair = tuple(huge_page_zeros(dims, dtype, device) for _ in range(2))
+                pair = tuple(kv_cache_zeros(dims, dtype, device) for _ in range(2))
             layers.append(pair)
         return cls(layers=layers, num_blocks=num_blocks, block_size=block_size, num_swa_blocks=num_swa_blocks,
                    swa_layers=swa_layers)

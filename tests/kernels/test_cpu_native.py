@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import subprocess
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from ksana.kernels import attention, norm, rotary
 from ksana.kernels.backends import cpu_ops
 from ksana.kernels.cpu import load_library
-from ksana.kernels.cpu.build import LEVELS, cpu_level
+from ksana.kernels.cpu.build import LEVELS, cpu_level, find_compiler
 from ksana.kernels.cpu.ops import (
     AMD_PACKED_PREFETCH_MIN_ROWS,
     AMX_MIN_ROWS,
@@ -40,13 +41,30 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def native() -> NativeCPUOps:
-    library = load_library()
-    assert library is not None, "the C kernels must build on the test machine (gcc is part of the image)"
+def library() -> ctypes.CDLL:
+    """The compiled kernels; the tests that need them skip where they cannot build (the engine then runs the torch
+    reference ops, which ``test_no_compiler.py`` covers)."""
+    if find_compiler() is None:
+        pytest.skip("no C compiler: the native CPU kernels cannot build here")
+    built = load_library()
+    assert built is not None, "a C compiler is on the PATH, yet the kernels did not build (see the log)"
+    return built
+
+
+@pytest.fixture(scope="module")
+def native(library: ctypes.CDLL) -> NativeCPUOps:
     return NativeCPUOps(library)
 
 
-def test_cpu_dispatch_picks_the_native_kernels() -> None:
+@pytest.fixture(scope="module")
+def packing(native: NativeCPUOps) -> NativeCPUOps:
+    """The native ops where this CPU packs weights (AVX2 or AVX-512): the packed linear and the fused decode step."""
+    if not native.has_linear:
+        pytest.skip("no packed linear or fused decode step on this CPU: they need AVX2 or AVX-512")
+    return native
+
+
+def test_cpu_dispatch_picks_the_native_kernels(library: ctypes.CDLL) -> None:
     ops = cpu_ops()
     assert ops.name == "cpu-native"
     # the native prefill wrapper, which keeps SDPA where its kernel does not apply
@@ -58,7 +76,7 @@ LOWER_LEVELS = LEVELS[: max(1, LEVELS.index(cpu_level()))]
 
 
 @pytest.mark.parametrize("level", LOWER_LEVELS)
-def test_lower_instruction_set_builds_match_the_reference(tmp_path, level: str) -> None:
+def test_lower_instruction_set_builds_match_the_reference(library: ctypes.CDLL, tmp_path, level: str) -> None:
     """Each lower level's build, in a fresh cache: decode attention (both task layouts and split tasks, with and
     without a window) and, from AVX2 on, the packed linear kernel with float32 widening of bfloat16."""
     code = f"""
@@ -89,6 +107,9 @@ for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8)):
     packed = native.pack_weight(w)
     assert isinstance(packed, PackedWeight) == ({level!r} != "portable")
     torch.testing.assert_close(native.linear(x, packed, b).float(), expected, rtol=rtol, atol=1e-5)
+    if {level!r} == "portable":  # no packed weights: the model keeps the logits path and torch's matmuls
+        assert native.lm_head_greedy(x, packed, 61, min_rows=1) is None
+        assert NativeCPUOps(load_library(), bf16_blas_min_rows=4).bf16_blas_min_rows is None
 logits = torch.randn(3, 1003) * 3
 ids, logprobs = native.greedy_logprobs(logits)
 assert ids == logits.argmax(dim=-1).tolist()
@@ -408,10 +429,11 @@ def test_native_prefill_keeps_sdpa_for_bfloat16(native: NativeCPUOps) -> None:
 
 
 @pytest.mark.parametrize(("q_len", "seq_len"), [(300, 300), (100, 400)])
-def test_bfloat16_prefill_takes_its_own_query_chunks(monkeypatch, q_len: int, seq_len: int) -> None:
+def test_bfloat16_prefill_takes_its_own_query_chunks(library: ctypes.CDLL, monkeypatch, q_len: int,
+                                                     seq_len: int) -> None:
     """With ``bf16_prefill_query_chunk`` (AMX CPUs) a bfloat16 prefill is the reference's in chunks of that many
     queries; float32 keeps the native kernel."""
-    chunked = NativeCPUOps(load_library(), bf16_prefill_query_chunk=256)
+    chunked = NativeCPUOps(library, bf16_prefill_query_chunk=256)
     q, keys, values, k_cache, v_cache, table = _prefill_case(64, 9, 3, q_len, seq_len, seed=8, dtype=torch.bfloat16)
     args = (q, keys[-q_len:], values[-q_len:], k_cache, v_cache, table, seq_len, 0.125, None)
     reference, chunks = attention.paged_prefill_attention, []
@@ -428,11 +450,11 @@ def test_bfloat16_prefill_takes_its_own_query_chunks(monkeypatch, q_len: int, se
     torch.testing.assert_close(out, reference(*args), rtol=2**-7, atol=1e-3)  # a bfloat16 ulp near zero
     q32, k32, v32, kc32, vc32, table32 = _prefill_case(64, 9, 3, q_len, seq_len, seed=8)
     args32 = (q32, k32[-q_len:], v32[-q_len:], kc32, vc32, table32, seq_len, 0.125, None)
-    unchunked = NativeCPUOps(load_library()).paged_prefill_attention(*args32)
+    unchunked = NativeCPUOps(library).paged_prefill_attention(*args32)
     assert torch.equal(chunked.paged_prefill_attention(*args32), unchunked)
 
 
-def test_cpu_dispatch_chunks_bfloat16_prefills_for_amx_exactly_on_amx() -> None:
+def test_cpu_dispatch_chunks_bfloat16_prefills_for_amx_exactly_on_amx(library: ctypes.CDLL) -> None:
     prefill = cpu_ops().paged_prefill_attention
     assert prefill.__self__.bf16_prefill_query_chunk == (AMX_PREFILL_QUERY_CHUNK if amx_bf16_available() else None)
 
@@ -483,7 +505,7 @@ def test_packed_linear_matches_torch(native: NativeCPUOps, dtype: torch.dtype, o
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 576), (61, 37), (130, 100)])
-def test_packed_linear_gives_every_row_the_bits_it_gets_alone(native: NativeCPUOps, dtype: torch.dtype,
+def test_packed_linear_gives_every_row_the_bits_it_gets_alone(packing: NativeCPUOps, dtype: torch.dtype,
                                                                 out_features: int, in_features: int) -> None:
     """Every tile sums a row's products in the same order (one FMA per k from zero, then the bias), so a batched
     decode step gives each sequence what it would get alone: the 9-16-row split tile's two halves and k blocks
@@ -491,19 +513,16 @@ def test_packed_linear_gives_every_row_the_bits_it_gets_alone(native: NativeCPUO
     torch.manual_seed(out_features + in_features)
     weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
     bias = torch.randn(out_features).to(dtype)
-    packed = native.pack_weight(weight)
-    if not native.has_linear:  # nothing packs on this CPU and BLAS runs, whose blocking follows the row count
-        assert not isinstance(packed, PackedWeight)
-        return
+    packed = packing.pack_weight(weight)
     x = torch.randn(24, in_features).to(dtype)
-    alone = torch.cat([native.linear(x[i : i + 1], packed, bias) for i in range(24)])
+    alone = torch.cat([packing.linear(x[i : i + 1], packed, bias) for i in range(24)])
     for rows in [*range(2, 18), 24]:
-        assert torch.equal(native.linear(x[:rows], packed, bias), alone[:rows]), rows
+        assert torch.equal(packing.linear(x[:rows], packed, bias), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("vocab", "out_features", "in_features"), [(1003, 1003, 64), (1000, 1040, 37), (9, 9, 16)])
-def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(native: NativeCPUOps, dtype: torch.dtype,
+def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(packing: NativeCPUOps, dtype: torch.dtype,
                                                                        vocab: int, out_features: int,
                                                                        in_features: int) -> None:
     """Every decode-tile row count (1-4 panels a group), gemm tiles above 16 rows (whole and partial 16-row
@@ -511,9 +530,7 @@ def test_lm_head_greedy_gives_what_greedy_logprobs_gives_on_the_logits(native: N
     strided rows, a tie (the first column wins), and rows whose logits hold a NaN, are all -inf, or hold +inf: the
     same token as ``greedy_logprobs`` on ``linear``'s logits (bfloat16 logits rounded as they are stored), the
     same log-probability to float32 rounding."""
-    if not native.has_linear:  # no packed weights on this CPU: the model keeps the logits path
-        assert native.lm_head_greedy(torch.randn(2, in_features), torch.randn(vocab, in_features), vocab) is None
-        return
+    native = packing
     torch.manual_seed(vocab + in_features)
     weight = (torch.randn(out_features, in_features) / in_features**0.5).to(dtype)
     weight[vocab // 2 + 1] = weight[vocab // 2]  # two equal logits in every row
@@ -558,12 +575,10 @@ def test_packed_linear_edges(native: NativeCPUOps) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_embedding_from_packed_panels_natively_gives_the_rows(native: NativeCPUOps, dtype: torch.dtype) -> None:
+def test_embedding_from_packed_panels_natively_gives_the_rows(packing: NativeCPUOps, dtype: torch.dtype) -> None:
     """A decode batch's ids (the native gather), a prefill's (torch's indexing), and an id past the table, which
     leaves the native gather to the indexing."""
-    if not native.has_linear:
-        return
-    assert dtype in native._packed_rows  # the native gather is there to test
+    native = packing
     weight = torch.randn(50, 72).to(dtype)  # 4 panels, the last one part padding
     packed = native.pack_weight(weight)
     ids = torch.tensor([0, 49, 16, 15, 17, 33, 49, 1])
@@ -575,26 +590,22 @@ def test_embedding_from_packed_panels_natively_gives_the_rows(native: NativeCPUO
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_unpack_weight_gives_the_weight_transposed(native: NativeCPUOps, dtype: torch.dtype) -> None:
+def test_unpack_weight_gives_the_weight_transposed(packing: NativeCPUOps, dtype: torch.dtype) -> None:
     """Whole 64-row blocks and a partial one, a last panel with padding columns (zero)."""
-    if not native.has_linear:  # nothing is packed on this CPU, so nothing unpacks
-        return
     weight = torch.randn(61, 150).to(dtype)
-    packed = native.pack_weight(weight)
+    packed = packing.pack_weight(weight)
     unpacked = torch.full((150, 64), float("nan"), dtype=dtype)
-    native._unpack[dtype](packed.packed.data_ptr(), 4, 150, unpacked.data_ptr(), 2)
+    packing._fns["unpack_weight", dtype](packed.packed.data_ptr(), 4, 150, unpacked.data_ptr(), 2)
     assert torch.equal(unpacked[:, :61], weight.T) and not unpacked[:, 61:].any()
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bfloat16_projections_of_many_rows_go_to_torch_matmul(with_bias: bool) -> None:
+def test_bfloat16_projections_of_many_rows_go_to_torch_matmul(packing: NativeCPUOps, library: ctypes.CDLL,
+                                                              with_bias: bool) -> None:
     """From ``bf16_blas_min_rows`` rows (strided ones, and 3-d input) the matmul runs in torch from the unpacked
     panels, to bfloat16 rounding of the float32 result as the native kernel; fewer rows stay native. float32
     never leaves the native kernel."""
-    blas = NativeCPUOps(load_library(), bf16_blas_min_rows=4)
-    if not blas.has_linear:
-        assert blas.bf16_blas_min_rows is None
-        return
+    blas = NativeCPUOps(library, bf16_blas_min_rows=4)
     torch.manual_seed(4)
     weight = (torch.randn(61, 48) / 48**0.5).bfloat16()
     bias = torch.randn(61).bfloat16() if with_bias else None
@@ -612,17 +623,15 @@ def test_bfloat16_projections_of_many_rows_go_to_torch_matmul(with_bias: bool) -
     assert blas._scratch.buffer.dtype == torch.bfloat16
 
 
-def test_cpu_dispatch_sends_many_bfloat16_rows_to_onednn_from_this_cpus_threshold() -> None:
+def test_cpu_dispatch_sends_many_bfloat16_rows_to_onednn_from_this_cpus_threshold(packing: NativeCPUOps) -> None:
     projection = cpu_ops().qkv_proj
-    if projection is F.linear:  # no packed weights on this CPU
-        return
     assert projection.__self__.bf16_blas_min_rows == bf16_onednn_min_rows()
 
 
 @pytest.mark.parametrize(("amx", "avx512_bf16", "vendor", "expected"), [
     (True, True, "GenuineIntel", AMX_MIN_ROWS),
     (False, True, "AuthenticAMD", AVX512_BF16_MIN_ROWS),
-    (False, True, "GenuineIntel", None),  # an AVX-512 Xeon without AMX: the native kernel was the faster
+    (False, True, "GenuineIntel", None),  # Intel AVX-512 without AMX: the native kernel is the faster
     (False, False, "AuthenticAMD", None),  # AVX2 only (Zen 2, Zen 3)
 ])
 def test_onednn_bfloat16_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, amx: bool, avx512_bf16: bool,
@@ -641,8 +650,7 @@ def test_packed_prefetch_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPat
     assert packed_prefetch_min_rows() == expected
 
 
-def test_native_ops_set_the_libraries_prefetch_threshold() -> None:
-    library = load_library()
+def test_native_ops_set_the_libraries_prefetch_threshold(library: ctypes.CDLL) -> None:
     original = library.set_packed_prefetch_min_rows(1)
     try:
         NativeCPUOps(library, prefetch_min_rows=7)
@@ -654,33 +662,33 @@ def test_native_ops_set_the_libraries_prefetch_threshold() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_gives_the_same_bits_with_and_without_software_prefetch(native: NativeCPUOps,
+def test_packed_linear_gives_the_same_bits_with_and_without_software_prefetch(packing: NativeCPUOps,
+                                                                             library: ctypes.CDLL,
                                                                              dtype: torch.dtype) -> None:
     """Prefetching only moves weights into the caches earlier: every row count, with the tiles of fewer rows than
     the threshold left to the hardware prefetchers (17: all of them), gives what the prefetching tiles give."""
     torch.manual_seed(5)
     weight = (torch.randn(200, 96) / 96**0.5).to(dtype)
     bias = torch.randn(200).to(dtype)
-    packed = native.pack_weight(weight)
+    packed = packing.pack_weight(weight)
     x = torch.randn(20, 96).to(dtype)
-    library = load_library()
     original = library.set_packed_prefetch_min_rows(1)
     try:
-        prefetching = [native.linear(x[:rows], packed, bias) for rows in range(1, 21)]
+        prefetching = [packing.linear(x[:rows], packed, bias) for rows in range(1, 21)]
         library.set_packed_prefetch_min_rows(17)
         for rows, expected in enumerate(prefetching, start=1):
-            assert torch.equal(native.linear(x[:rows], packed, bias), expected), rows
+            assert torch.equal(packing.linear(x[:rows], packed, bias), expected), rows
     finally:
         library.set_packed_prefetch_min_rows(original)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_decode_layers_give_the_same_bits_without_software_prefetch(native: NativeCPUOps, tmp_path,
+def test_fused_decode_layers_give_the_same_bits_without_software_prefetch(packing: NativeCPUOps,
+                                                                         library: ctypes.CDLL, tmp_path,
                                                                          dtype: torch.dtype) -> None:
     """The fused step's tiles (gate-up-SwiGLU's pairs of panels too) at 1-4 rows, prefetching and not."""
     model_dir = make_checkpoint(tmp_path, "llama")
     cpu_ops()  # the models' ops, which set this CPU's threshold once, made before the settings below
-    library = load_library()
     original = library.set_packed_prefetch_min_rows(1)
     try:
         for lengths in [(5,), (5, 9), (5, 9, 3), (5, 9, 3, 12)]:  # a decode row per sequence
@@ -755,12 +763,12 @@ def _decode_steps(model, use_fused: bool, dtype: torch.dtype, lengths: tuple[int
     return hidden_states, [t for pair in cache.layers for t in pair]
 
 
-def _assert_fused_equals_loop(model_dir, dtype: torch.dtype, native: NativeCPUOps, **steps) -> None:
+def _assert_fused_equals_loop(model_dir, dtype: torch.dtype, **steps) -> None:
     fused_model, loop_model = load_model(model_dir, dtype=dtype), load_model(model_dir, dtype=dtype)
-    assert (fused_model.ops.decode_layers is not None) == native.has_linear
+    assert fused_model.ops.decode_layers is not None
     fused, fused_cache = _decode_steps(fused_model, True, dtype, **steps)
     loop, loop_cache = _decode_steps(loop_model, False, dtype, **steps)
-    assert (fused_model._decode_layers_of is not None) == native.has_linear  # the fused path really ran
+    assert fused_model._decode_layers_of is not None  # the fused path really ran
     assert loop_model._decode_layers_of is None
     assert len(fused) == 3
     for a, b in zip(fused + fused_cache, loop + loop_cache, strict=True):
@@ -770,15 +778,15 @@ def _assert_fused_equals_loop(model_dir, dtype: torch.dtype, native: NativeCPUOp
 @pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa", "mistral"])
-def test_fused_decode_layers_equal_the_layer_loop(native: NativeCPUOps, tmp_path, dtype: torch.dtype,
+def test_fused_decode_layers_equal_the_layer_loop(packing: NativeCPUOps, tmp_path, dtype: torch.dtype,
                                                   family: str, head_major: bool) -> None:
     """Same kernels, same order: bit for bit the op-by-op result (biases, sliding windows, GQA), KV cache too,
     on either cache layout."""
-    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, native, head_major=head_major)
+    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, head_major=head_major)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_decode_layers_give_the_same_bits_on_either_cache_layout(native: NativeCPUOps, tmp_path,
+def test_fused_decode_layers_give_the_same_bits_on_either_cache_layout(packing: NativeCPUOps, tmp_path,
                                                                       dtype: torch.dtype) -> None:
     model = load_model(make_checkpoint(tmp_path, "qwen2-mixed-swa"), dtype=dtype)
     assert model.kv_head_major  # what the engine allocates for these kernels
@@ -799,43 +807,43 @@ BATCH_SHAPES = {"one-long": (300,), "three-long": (290, 7, 300), "two-short": (5
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", BATCH_SHAPES)
-def test_fused_decode_layers_equal_the_layer_loop_at_every_batch_shape(native: NativeCPUOps, tmp_path,
+def test_fused_decode_layers_equal_the_layer_loop_at_every_batch_shape(packing: NativeCPUOps, tmp_path,
                                                                       dtype: torch.dtype, shape: str) -> None:
     model_dir = make_checkpoint(tmp_path, "llama", num_attention_heads=16, head_dim=64)
-    _assert_fused_equals_loop(model_dir, dtype, native, lengths=BATCH_SHAPES[shape], num_blocks=160)
+    _assert_fused_equals_loop(model_dir, dtype, lengths=BATCH_SHAPES[shape], num_blocks=160)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["qwen2-mixed-swa", "mistral"])
-def test_fused_decode_layers_past_the_window_at_a_split_tile_batch(native: NativeCPUOps, tmp_path,
+def test_fused_decode_layers_past_the_window_at_a_split_tile_batch(packing: NativeCPUOps, tmp_path,
                                                                   dtype: torch.dtype, family: str) -> None:
     """12 rows (the split tile's, where each thread's first attention task is its own sequence, whose KV the
     qkv projection warms) on sequences longer than the sliding windows: the warmed blocks start at the window."""
-    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, native, lengths=tuple(range(20, 44, 2)),
+    _assert_fused_equals_loop(make_checkpoint(tmp_path, family), dtype, lengths=tuple(range(20, 44, 2)),
                               num_blocks=160)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [8, 12, 16])
-def test_fused_decode_layers_equal_the_layer_loop_at_widths_off_the_vector_lanes(native: NativeCPUOps, tmp_path,
+def test_fused_decode_layers_equal_the_layer_loop_at_widths_off_the_vector_lanes(packing: NativeCPUOps, tmp_path,
                                                                                 dtype: torch.dtype, rows: int) -> None:
     """Hidden 108 and intermediate 92: the tails of the row-tile packing (8 columns a transpose) and of the 16-lane
     SiLU (its own pass: gate_up and SwiGLU run as one only in whole panels), at one whole row tile, a whole and a
     partial one, and two whole ones."""
     model_dir = make_checkpoint(tmp_path, "llama", hidden_size=108, intermediate_size=92)
-    _assert_fused_equals_loop(model_dir, dtype, native, lengths=tuple(range(3, 3 + rows)), num_blocks=160)
+    _assert_fused_equals_loop(model_dir, dtype, lengths=tuple(range(3, 3 + rows)), num_blocks=160)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_decode_layers_equal_the_layer_loop_with_an_mlp_bias(native: NativeCPUOps, tmp_path,
+def test_fused_decode_layers_equal_the_layer_loop_with_an_mlp_bias(packing: NativeCPUOps, tmp_path,
                                                                   dtype: torch.dtype) -> None:
     """A gate_up bias keeps gate_up and SwiGLU two passes in the fused step (the one-pass form adds no bias)."""
     model_dir = make_checkpoint(tmp_path, "llama", mlp_bias=True)
-    _assert_fused_equals_loop(model_dir, dtype, native, lengths=tuple(range(3, 15)), num_blocks=160)
+    _assert_fused_equals_loop(model_dir, dtype, lengths=tuple(range(3, 15)), num_blocks=160)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-mixed-swa"])
-def test_a_loaded_models_projections_are_one_stream_in_decode_order(native: NativeCPUOps, tmp_path,
+def test_a_loaded_models_projections_are_one_stream_in_decode_order(packing: NativeCPUOps, tmp_path,
                                                                     family: str) -> None:
     """Layer by layer qkv, o, gate_up, down, then the head, each packed weight starting where the one before it
     ends; a tied embedding is the head's panels (one copy), and the model still counts every packed byte."""
@@ -843,9 +851,6 @@ def test_a_loaded_models_projections_are_one_stream_in_decode_order(native: Nati
     order = [w for layer in model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
                                                      layer.mlp.gate_up_weight, layer.mlp.down_weight)]
     order.append(model.lm_head_weight)
-    if not native.has_linear:
-        assert not any(isinstance(w, PackedWeight) for w in order)
-        return
     assert all(isinstance(w, PackedWeight) for w in order)
     for before, after in zip(order, order[1:], strict=False):
         assert after.packed.data_ptr() == before.packed.data_ptr() + before.packed.numel() * 4
