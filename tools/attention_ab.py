@@ -41,7 +41,6 @@ from typing import Any
 
 import attrs
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loaded by the tests
 
 import torch  # noqa: E402
@@ -181,7 +180,7 @@ def main() -> None:
     parser.add_argument("--placement", choices=("random", "in-order"), default=defaults.placement,
                         help="each sequence's blocks at random addresses, or one after another (a fresh engine)")
     parser.add_argument("--quick", action="store_true", help="batch 4, context 64, 2 layers, 3 rounds")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "attention_ab.json")
+    parser.add_argument("--out", type=Path, default=Path("attention_ab.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a_source = args.a or head_source(Path(tmp))

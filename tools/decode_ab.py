@@ -31,7 +31,6 @@ from typing import Any
 
 import attrs
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loaded by the tests
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="the demo model, small shapes: checks the script")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "decode_ab.json")
+    parser.add_argument("--out", type=Path, default=Path("decode_ab.json"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         a_source = args.a or head_source(Path(tmp))

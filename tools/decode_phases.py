@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=lambda s: tuple(int(x) for x in s.split(",")), default=defaults.contexts)
     parser.add_argument("--rounds", type=int, default=defaults.rounds)
     parser.add_argument("--quick", action="store_true", help="the demo model, small shapes: checks the script")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "decode_phases.json")
+    parser.add_argument("--out", type=Path, default=Path("decode_phases.json"))
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings(batches=args.batches, contexts=args.contexts, rounds=args.rounds)
     report = run_bench(settings)

@@ -23,7 +23,6 @@ from typing import Any
 
 import attrs
 
-REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="the demo model, small shapes: checks the script")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv_layout_ab.json")
+    parser.add_argument("--out", type=Path, default=Path("kv_layout_ab.json"))
     args = parser.parse_args(argv)
     for name in ("batch", "context", "rounds"):
         if getattr(args, name) < 1:

@@ -42,7 +42,6 @@ from typing import Any
 
 import attrs
 
-REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 attrs.evolve(DEFAULTS, dtype=args.dtype, batch=args.batch, context=args.context, rounds=args.rounds))
     report = run_bench(settings)
     print_report(report)
-    write_json(report, args.out or REPO / "bench" / "results" / "phase_overlap.json")
+    write_json(report, args.out or Path("phase_overlap.json"))
     return 0
 
 

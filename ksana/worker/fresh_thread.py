@@ -3,10 +3,10 @@
 libgomp keeps a pool of worker threads for every thread that has run a parallel region, and once its pools hold
 more threads than the machine has CPUs it stops spinning between regions ("throttled" waits of 100 spins, which no
 environment variable lifts): every region then starts by waking its workers through the kernel. The engine's forward
-passes run on a worker thread (``trio.to_thread``); if the thread that built the engine had filled the KV pool or
-loaded the weights itself, its pool would stay and throttle every later region: on a 2-core machine a batch-1
-decode step of smollm2 measured 30-34 ms that way against 22-24 ms with the start-up done here (whose pool goes
-with its thread).
+passes run on the forward lane's thread; if the thread that built the engine had filled the KV pool or loaded the
+weights itself, its pool would stay and throttle every later region, which on a 2-core machine makes a small
+model's decode step a third slower (``bench/roofline.py``'s decode steps show it). Start-up done here leaves no
+pool behind: it goes with its thread.
 """
 
 from __future__ import annotations
