@@ -2,7 +2,8 @@
 
     python bench/serve.py --base-url http://127.0.0.1:8080 --num-prompts 32 --input-len 32:256 --output-len 16:128
     ksana bench serve --base-url URL --request-rate 4 --burstiness 1 --max-concurrency 16 --goodput ttft:500 tpot:50
-    ksana bench serve --base-url URL --dataset trace.jsonl     # replay a JSONL trace
+    ksana bench serve --base-url URL --dataset trace.jsonl     # replay a JSONL dataset (prompt text or ids)
+    ksana bench serve --base-url URL --trace trace.jsonl       # replay the simulator's trace (ksana.bench.trace)
 
 Per request (streamed): TTFT = send to first streamed chunk with tokens; ITL = every gap between such chunks;
 TPOT = (E2EL - TTFT) / (output tokens - 1); E2EL = send to the last byte. Totals: request, output and total token
@@ -99,6 +100,14 @@ def trace_dataset(path: Path, limit: int | None) -> list[BenchRequest]:
     return requests[:limit] if limit else requests
 
 
+def trace_requests(path: Path, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """A trace (``ksana.bench.trace``) as requests with the same prompt ids the simulator gives them."""
+    from ksana.bench.trace import prompt_ids, read_trace
+
+    return [BenchRequest(prompt_ids(r, i, vocab_size, seed), r.prompt_len, r.output_len, r.arrival_time_s)
+            for i, r in enumerate(read_trace(path))]
+
+
 def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
     """Send times from the start: all zero at an infinite rate, else gamma gaps (shape=burstiness, mean=1/rate)."""
     if math.isinf(rate):
@@ -181,11 +190,15 @@ async def stream_post(target: Target, path: str, body: bytes):
 
 
 async def send_one(target: Target, endpoint: str, body: dict[str, Any], result: RequestResult, start: float,
-                   timeout_s: float) -> None:
+                   timeout_s: float, scheduled: float | None = None) -> None:
+    """Stream one request into ``result``. Latencies count from ``scheduled`` (a trace's arrival time, so a
+    request held back by ``--max-concurrency`` counts its wait, as a user's would) or else from the send."""
     import trio
 
     sent = time.perf_counter()
     result.send_time = sent - start
+    if scheduled is not None:
+        sent = scheduled
     last = sent
     num_tokens = 0
     usage_tokens = None
@@ -274,10 +287,13 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], mode
     start = time.perf_counter()
     trio_start = trio.current_time()
 
+    from_arrival = getattr(args, "trace", None) is not None
+
     async def one(i: int) -> None:
         async with semaphore:
             body = request_body(args.endpoint, model, requests[i], args.ignore_eos)
-            await send_one(target, args.endpoint, body, results[i], start, args.timeout)
+            await send_one(target, args.endpoint, body, results[i], start, args.timeout,
+                           scheduled=start + times[i] if from_arrival else None)
 
     async with trio.open_nursery() as nursery:
         for i, at in enumerate(times):
@@ -303,7 +319,8 @@ def summarize(args: argparse.Namespace, requests: list[BenchRequest], results: l
     summary: dict[str, Any] = {
         "base_url": args.base_url, "endpoint": args.endpoint, "model": model,
         "num_prompts": len(requests), "request_rate": args.request_rate, "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency, "dataset": args.dataset, "seed": args.seed,
+        "max_concurrency": args.max_concurrency, "dataset": getattr(args, "trace", None) or args.dataset,
+        "seed": args.seed,
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_input, "total_output_tokens": total_output,
         "request_throughput": len(ok) / duration, "output_throughput": total_output / duration,
@@ -390,7 +407,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
     parser.add_argument("--model", help="model name to send (default: the server's first /v1/models entry)")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--dataset", default="random", help="'random' or a JSONL trace file")
+    parser.add_argument("--dataset", default="random", help="'random' or a JSONL dataset file")
+    parser.add_argument("--trace", help="a JSONL trace (arrival_time_s, prompt_len, output_len[, prompt_token_ids]): "
+                                        "each request sent at its arrival, latencies counted from it")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=parse_range, default=(32, 256), help="random prompt lengths, N or LOW:HIGH")
     parser.add_argument("--output-len", type=parse_range, default=(16, 128), help="random output lengths, N or LOW:HIGH")
@@ -431,7 +450,9 @@ def run(args: argparse.Namespace) -> int:
     Target.parse(args.base_url)  # a bad --base-url is a message, before any request
     info = _server_info(args)
     model = args.model or info["id"]
-    if args.dataset == "random":
+    if args.trace is not None:
+        requests = trace_requests(Path(args.trace), info.get("vocab_size") or 1000, args.seed)
+    elif args.dataset == "random":
         vocab = args.vocab_size or info.get("vocab_size") or 1000
         requests = random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     else:
