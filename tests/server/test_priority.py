@@ -59,7 +59,10 @@ def test_ksana_serve_runs_its_loop_thread_at_the_default_nice(server):
 def test_a_loop_nice_outside_0_to_19_is_refused(value):
     with pytest.raises(argparse.ArgumentTypeError, match=f"takes 0-19 .*not '{value}'"):
         parse_loop_nice(value)
-    assert parse_loop_nice("19") == 19 and parse_loop_nice("0") == 0
+
+
+def test_a_loop_nice_of_0_to_19_is_taken():
+    assert [parse_loop_nice(text) for text in ("0", "7", "19")] == [0, 7, 19]
 
 
 def test_a_bad_loop_nice_is_a_cli_error_that_names_the_flag():
