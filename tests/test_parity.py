@@ -1,9 +1,9 @@
 """Token-for-token parity with Hugging Face ``transformers`` ``generate`` through the whole engine.
 
 Random-weight Llama, Qwen2 (plain, and mixed sliding/full layers with a window shorter than the longest prompt)
-and Mistral checkpoints, saved as safetensors and as ``pytorch_model.bin``; a batch of 8 prompts of 5 to 300
-tokens, greedy, 32 new tokens. Then again with chunked prefill, and with a KV pool so small that requests are
-preempted and recomputed.
+and Mistral checkpoints in safetensors; a batch of 8 prompts of 5 to 300 tokens, greedy, 32 new tokens. Then again
+with chunked prefill, and with a KV pool so small that requests are preempted and recomputed. Every checkpoint
+format loads through the same ``load_model``, whose logits tests/models/test_model_parity.py checks per format.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW,
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
-    return {(family, fmt): make_checkpoint(root / f"{family}-{fmt}", family, fmt=fmt)
-            for family in FAMILIES for fmt in ("safetensors", "bin")}
+    return {family: make_checkpoint(root / family, family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def hf_reference(checkpoints, prompts):
     """HF greedy tokens and the chosen tokens' logprobs (from its raw output logits), per family."""
     reference = {}
     for family in FAMILIES:
-        model = load_hf_model(checkpoints[(family, "safetensors")], torch.float32)
+        model = load_hf_model(checkpoints[family], torch.float32)
         per_prompt = []
         for prompt in prompts:
             with torch.inference_mode():
@@ -65,10 +64,9 @@ def _assert_matches(results, reference, check_logprobs=True):
             assert completion.token_logprobs == pytest.approx(logprobs, abs=1e-4), f"prompt {i}"
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_and_logprobs_match_transformers(family, fmt, checkpoints, prompts, hf_reference):
-    llm, results = _generate(checkpoints[(family, fmt)], prompts)
+def test_greedy_tokens_and_logprobs_match_transformers(family, checkpoints, prompts, hf_reference):
+    llm, results = _generate(checkpoints[family], prompts)
     _assert_matches(results, hf_reference[family])
     assert [r.prompt_token_ids for r in results] == prompts
     assert llm.engine.cache_manager.num_free_blocks == llm.engine.num_blocks
@@ -76,7 +74,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, fmt, checkpoints,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_matches_transformers(family, checkpoints, prompts, hf_reference):
-    llm, results = _generate(checkpoints[(family, "safetensors")], prompts, split_fuse_token_num=24,
+    llm, results = _generate(checkpoints[family], prompts, split_fuse_token_num=24,
                              max_step_tokens=64)
     _assert_matches(results, hf_reference[family])
     assert llm.engine.scheduler.stats.num_steps > NUM_NEW + sum(PROMPT_LENGTHS) // 64
@@ -85,7 +83,7 @@ def test_chunked_prefill_matches_transformers(family, checkpoints, prompts, hf_r
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preemption_recomputes_to_the_same_tokens(family, checkpoints, prompts, hf_reference):
     # 24 blocks of 16 tokens: the longest request (332 tokens) fits alone, the batch does not.
-    llm, results = _generate(checkpoints[(family, "safetensors")], prompts, num_device_blocks=24)
+    llm, results = _generate(checkpoints[family], prompts, num_device_blocks=24)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     _assert_matches(results, hf_reference[family])
     assert llm.engine.cache_manager.num_free_blocks == 24

@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,8 +44,7 @@ def test_smollm2_converts_once_and_answers():
     assert "Paris" in answer, answer
     assert out[0, -1].item() == 2  # stopped on <|im_end|>
 
-    started = time.monotonic()
+    # Later calls find the converted directory and leave it as it is: no second conversion.
     assert smollm2_model_dir(progress=False) == model_dir
     assert resolve_model_dir("smollm2") == model_dir
-    assert time.monotonic() - started < 1.0
     assert model_dir.stat().st_mtime_ns == mtime

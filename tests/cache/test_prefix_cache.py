@@ -47,14 +47,14 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_released_first():
     manager = PrefixCacheManager(num_blocks=4, block_size=B)
     _fill(manager, "a", [1] * 8)
     _fill(manager, "b", [2] * 8)
+    a_blocks = {b.block_id for b in manager.requests["a"].cached_blocks}
     manager.free_request("a")
     manager.free_request("b")
-    a_blocks = {b.block_id for b in manager.reusable.values()}
-    assert manager.serve_demand(BlockDemand("c", 8, (3,) * 8, match_prefix=True)) is not None
-    # The 2 blocks freed first ("a", released first) were evicted.
+    grant = manager.serve_demand(BlockDemand("c", 8, (3,) * 8, match_prefix=True))
+    # The pool is full of cached blocks: "c" takes the 2 released first ("a"'s), and "b"'s stay cached.
+    assert grant is not None and set(grant.block_ids) == a_blocks and len(a_blocks) == 2
     assert manager.get_request_prefix_block_number("d", [1] * 9) == 0
     assert manager.get_request_prefix_block_number("e", [2] * 9) == 2
-    assert a_blocks
     manager.check_invariants()
 
 

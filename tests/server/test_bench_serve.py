@@ -31,10 +31,16 @@ def test_random_dataset_run_counts_every_token(server, bench, tmp_path: Path):
     for request in result["requests"]:
         assert request["success"]
         assert 1 <= len(request["itl"]) + 1 <= request["output_len"]  # a chunk per step (or per catch-up)
-        assert 0 < request["ttft"] <= request["e2el"]
+        assert request["ttft"] <= request["e2el"]
         assert request["tpot"] == pytest.approx((request["e2el"] - request["ttft"]) / (request["output_len"] - 1))
-    assert result["mean_e2el_ms"] >= result["mean_ttft_ms"] > 0
-    assert result["p99_itl_ms"] >= result["median_itl_ms"]
+    # The summary's statistics are those of the per-request timings (p99 as numpy's linear interpolation).
+    ttft_ms = [1000 * r["ttft"] for r in result["requests"]]
+    e2el_ms = [1000 * r["e2el"] for r in result["requests"]]
+    itl_ms = [1000 * gap for r in result["requests"] for gap in r["itl"]]
+    assert result["mean_ttft_ms"] == pytest.approx(statistics.fmean(ttft_ms))
+    assert result["mean_e2el_ms"] == pytest.approx(statistics.fmean(e2el_ms))
+    assert result["median_itl_ms"] == pytest.approx(statistics.median(itl_ms))
+    assert result["p99_itl_ms"] == pytest.approx(statistics.quantiles(itl_ms, n=100, method="inclusive")[98])
 
 
 def test_trace_replay_keeps_its_arrival_times(server, bench, tmp_path: Path):
@@ -49,8 +55,8 @@ def test_trace_replay_keeps_its_arrival_times(server, bench, tmp_path: Path):
     result = orjson.loads(out.read_bytes())
     assert result["completed"] == 3 and result["total_output_tokens"] == 9
     sends = [r["send_time"] for r in result["requests"]]
-    for sent, row in zip(sends, rows, strict=True):
-        assert row["timestamp"] <= sent < row["timestamp"] + 0.25
+    for sent, row in zip(sends, rows, strict=True):  # none leaves before its time in the trace
+        assert sent >= row["timestamp"]
 
 
 def test_arrivals_are_poisson_or_gamma_at_the_asked_rate(bench):

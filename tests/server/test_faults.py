@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 
 import httpx2
 import openai
@@ -51,7 +50,10 @@ def test_metrics_follow_requests(server):
     assert grew("input_token_len_sum") == result.usage.prompt_tokens
     assert grew("output_token_len_sum") == 7
     assert grew("forward_req_error_num_total") == 0 and grew("forward_req_aborted_num_total") == 0
-    assert after["time_to_first_token_us_sum"] > before.get("time_to_first_token_us_sum", 0.0)
+    # The first token's latency and the gaps after it add up to the time of the last token, which came no later
+    # than the request's end (1 us of slack for the float sums).
+    streamed_us = grew("time_to_first_token_us_sum") + grew("inter_token_interval_latency_us_sum")
+    assert streamed_us <= grew("total_latency_us_sum") + 1
     for name in ("batch_scheduler_batch_size", "batch_scheduler_waiting_size", "block_manager_free_block_num",
                  "block_manager_used_block_num", "block_manager_total_block_num"):
         assert name in after
@@ -103,12 +105,12 @@ def test_full_queue_is_503_and_the_server_recovers(small_servers):
         server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers=headers, timeout=60)))
     thread.start()
     _wait_for_waiting(server, 1)
+    errors = server.metrics()["forward_req_error_num_total"]
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model="demo", prompt="one too many", max_tokens=3)
     assert info.value.status_code == 503 and info.value.body["code"] == "queue_full"
     assert "waiting queue is full" in info.value.body["message"]
-    errors = server.metrics()["forward_req_error_num_total"]
-    assert errors >= 1
+    server.wait_metrics(lambda m: m["forward_req_error_num_total"] == errors + 1)  # the refusal is counted once
     running.close()  # the long request leaves; the waiting one runs
     thread.join(30)
     assert waiting["r"].status_code == 200 and waiting["r"].json()["usage"]["completion_tokens"] == 3
@@ -130,7 +132,6 @@ def test_stop_signal_ends_streams_with_an_error_and_exits_0(small_servers, sig):
     thread.start()
     _wait_for_waiting(server, 1)
 
-    signalled = time.monotonic()
     server.proc.send_signal(sig)
     with pytest.raises(openai.APIError, match="shutting down"):
         for _ in stream:
@@ -138,8 +139,7 @@ def test_stop_signal_ends_streams_with_an_error_and_exits_0(small_servers, sig):
     thread.join(10)
     assert queued["r"].status_code == 503  # never admitted: an error status, not a broken stream
     assert queued["r"].json()["error"]["code"] == "server_shutting_down"
-    assert server.proc.wait(timeout=5) == 0
-    assert time.monotonic() - signalled < 5
+    assert server.proc.wait(timeout=30) == 0  # the timeout only stops a server that never exits
     client.close()
 
 

@@ -5,6 +5,7 @@ Linux, as the project's machines: ``/proc`` gives each thread's nice value.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import trio
 from ksana.events import BlockingLane
 
-from ksana.server.priority import DEFAULT_LOOP_NICE, lower_loop_priority
+from ksana.server.priority import DEFAULT_LOOP_NICE, lower_loop_priority, parse_loop_nice
 
 
 def thread_nice(pid: int, thread_id: int) -> int:
@@ -55,8 +56,17 @@ def test_ksana_serve_runs_its_loop_thread_at_the_default_nice(server):
 
 
 @pytest.mark.parametrize("value", ["20", "-1", "high"])
-def test_a_bad_loop_nice_is_a_cli_error_that_names_the_flag(value):
-    done = subprocess.run([sys.executable, "-m", "ksana.cli", "serve", "--model", "demo", "--loop-nice", value],
+def test_a_loop_nice_outside_0_to_19_is_refused(value):
+    with pytest.raises(argparse.ArgumentTypeError, match=f"takes 0-19 .*not '{value}'"):
+        parse_loop_nice(value)
+
+
+def test_a_loop_nice_of_0_to_19_is_taken():
+    assert [parse_loop_nice(text) for text in ("0", "7", "19")] == [0, 7, 19]
+
+
+def test_a_bad_loop_nice_is_a_cli_error_that_names_the_flag():
+    done = subprocess.run([sys.executable, "-m", "ksana.cli", "serve", "--model", "demo", "--loop-nice", "20"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--loop-nice" in done.stderr and "takes 0-19" in done.stderr

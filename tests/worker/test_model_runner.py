@@ -105,6 +105,8 @@ def test_plain_greedy_rows_take_the_fused_lm_head_and_get_the_logits_paths_token
     """Nine plain greedy decode rows (the fused path's smallest batch): the tokens the logits path gives, and the
     log-probabilities to float32 rounding; a row asking for top logprobs sends the whole step through the logits."""
     model = load_model(make_checkpoint(tmp_path, "llama"), dtype=torch.float32)
+    if model.ops.lm_head_greedy is None:
+        pytest.skip(f"the {model.ops.name} kernels on this CPU have no fused greedy lm_head")
     fused_ops, logits_ops = model.ops, attrs.evolve(model.ops, lm_head_greedy=None)
     calls = []
 
@@ -124,9 +126,6 @@ def test_plain_greedy_rows_take_the_fused_lm_head_and_get_the_logits_paths_token
 
     greedy = [SamplingParams(temperature=0.0)] * 9
     expected = step(logits_ops, greedy)
-    if fused_ops.lm_head_greedy is None:  # no fused kernel on this CPU: the logits path only
-        assert step(fused_ops, greedy) == expected
-        return
     fused = step(attrs.evolve(fused_ops, lm_head_greedy=counted), greedy)
     assert calls == [True]
     assert [t.token_id for t in fused] == [t.token_id for t in expected]
