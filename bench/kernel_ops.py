@@ -35,10 +35,9 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.kernels import activation, attention, norm, rotary  # noqa: E402
 from ksana.kernels.attention_metadata import AttentionMetadata  # noqa: E402
-
-from ksana.bench.results import default_out, write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

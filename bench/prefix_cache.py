@@ -24,11 +24,10 @@ import trio
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ksana.events import Actor, handles  # noqa: E402
-
 from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.config import load_config  # noqa: E402
 from ksana.engine import InferenceEngine  # noqa: E402
+from ksana.events import Actor, handles  # noqa: E402
 from ksana.messages import AddRequests, TokensOut  # noqa: E402
 from ksana.request import InferRequest  # noqa: E402
 from ksana.sampling_params import SamplingParams  # noqa: E402

@@ -60,12 +60,11 @@ from transformers import AutoConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ksana.events.trace import TraceRecord  # noqa: E402
-from ksana.kernels.dispatch import get_ops  # noqa: E402
-
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
+from ksana.events.trace import TraceRecord  # noqa: E402
+from ksana.kernels.dispatch import get_ops  # noqa: E402
 from ksana.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 from ksana.worker.fresh_thread import run_in_fresh_thread  # noqa: E402

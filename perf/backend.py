@@ -20,12 +20,12 @@ from collections.abc import Sequence
 import attrs
 import trio
 import trio.testing
-from ksana.events import Actor, TraceRecord, handles
-from ksana.perf.operator_profiler import OperatorProfiler, OperatorTimes
-from ksana.perf.perf_config import BatchSpec, PerfConfigError
 from tqdm.auto import tqdm
 
+from ksana.events import Actor, TraceRecord, handles
 from ksana.messages import AddRequests, CacheStats, GetCacheStats, StepPlan, StepTimings, TokensOut
+from ksana.perf.operator_profiler import OperatorProfiler, OperatorTimes
+from ksana.perf.perf_config import BatchSpec, PerfConfigError
 from ksana.request import FinishReason, InferRequest
 from ksana.sampling_params import SamplingParams
 from ksana.worker.model_runner import ModelRunner

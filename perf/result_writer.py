@@ -15,12 +15,12 @@ from typing import Any
 import orjson
 import torch
 import trio
-from ksana.perf.backend import TIMING_FIELDS, BatchResult, RoundMetrics
-from ksana.perf.operator_profiler import OPERATORS, OperatorTimes
-from ksana.perf.stats import summarize
 
 import ksana
 from ksana.models.shape import ModelShape
+from ksana.perf.backend import TIMING_FIELDS, BatchResult, RoundMetrics
+from ksana.perf.operator_profiler import OPERATORS, OperatorTimes
+from ksana.perf.stats import summarize
 
 SCHEMA_VERSION = 1
 NDIGITS = 4  # milliseconds to 0.1 microsecond

@@ -16,6 +16,11 @@ from typing import Any
 import attrs
 import trio
 import yaml
+
+from ksana.builtin import resolve_model_dir
+from ksana.config import KsanaConfig, load_config
+from ksana.engine import InferenceEngine, resolve_device, resolve_dtype
+from ksana.models.shape import ModelShape
 from ksana.perf.backend import BatchResult, ModelPerfBackend, RecordingRunner
 from ksana.perf.csv_writer import write_perf_csv
 from ksana.perf.operator_profiler import OPERATORS, OperatorProfiler
@@ -37,11 +42,6 @@ from ksana.perf.result_writer import (
     now_iso,
     write_json,
 )
-
-from ksana.builtin import resolve_model_dir
-from ksana.config import KsanaConfig, load_config
-from ksana.engine import InferenceEngine, resolve_device, resolve_dtype
-from ksana.models.shape import ModelShape
 from ksana.worker.kv_cache import KVCache
 from ksana.worker.memory_budget import available_memory_bytes
 from ksana.worker.worker_actor import WorkerActor

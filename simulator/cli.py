@@ -139,10 +139,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from ksana.bench.trace import read_trace, synthetic_trace
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
-
-    from ksana.bench.trace import read_trace, synthetic_trace
 
     if args.profile is None:
         raise ValueError("ksana simulate needs --profile (a latency fit or a perf result)")

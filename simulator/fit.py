@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 import orjson
+
 from ksana.simulator.features import BASELINE_FEATURES, FEATURES, StepShape, feature_matrix
 from ksana.simulator.latency_model import (
     HeldOutError,

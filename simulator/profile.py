@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import orjson
+
 from ksana.simulator.features import StepShape
 
 # Operator groups of the perf result (``perf/operator_profiler.py``), for the per-group fits.

@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import trio
-from ksana.events import Actor, handles
 
 from ksana.bench.trace import TraceRequest, prompt_ids
+from ksana.events import Actor, handles
 from ksana.messages import AddRequest, TokensOut
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams

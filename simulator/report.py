@@ -11,9 +11,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ksana.simulator.replay import RequestTimeline
-
 from ksana.bench.serve import BenchRequest, RequestResult, summarize
+from ksana.simulator.replay import RequestTimeline
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 

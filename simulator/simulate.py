@@ -17,12 +17,6 @@ import attrs
 import torch
 import trio
 import trio.testing
-from ksana.events.clock import VirtualClock
-from ksana.events.trace import Trace
-from ksana.simulator.fit import LatencyFit, check_identity, load_fit
-from ksana.simulator.profile import IDENTITY_KEYS
-from ksana.simulator.replay import RequestTimeline, WorkloadReplayer
-from ksana.simulator.worker import SimulatedWorker, StepRecord
 from tqdm.auto import tqdm
 
 from ksana.bench.trace import TraceRequest, check_fits
@@ -36,7 +30,13 @@ from ksana.engine import (
     resolve_device,
     resolve_dtype,
 )
+from ksana.events.clock import VirtualClock
+from ksana.events.trace import Trace
 from ksana.models.shape import ModelShape
+from ksana.simulator.fit import LatencyFit, check_identity, load_fit
+from ksana.simulator.profile import IDENTITY_KEYS
+from ksana.simulator.replay import RequestTimeline, WorkloadReplayer
+from ksana.simulator.worker import SimulatedWorker, StepRecord
 
 
 @attrs.frozen

@@ -13,11 +13,11 @@ import hashlib
 
 import attrs
 import trio
+
 from ksana.events import Actor, handles
+from ksana.messages import ExecuteStep, SampledToken, StepPlan, StepResult, StepTimings
 from ksana.simulator.features import StepShape
 from ksana.simulator.fit import LatencyFit
-
-from ksana.messages import ExecuteStep, SampledToken, StepPlan, StepResult, StepTimings
 
 
 @attrs.define

@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 
 import trio
-from ksana.events import Actor, handles
 
+from ksana.events import Actor, handles
 from ksana.messages import PLACEHOLDER_TOKEN, ExecuteStep, SampledToken, StepResult
 
 VOCAB = 997

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 import torch
+
 from ksana.kernels.attention_metadata import AttentionMetadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

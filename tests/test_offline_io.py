@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import trio
 import trio.testing
-from ksana.events import Actor, EventLoop, handles
 
 from ksana.builtin import resolve_model_dir
+from ksana.events import Actor, EventLoop, handles
 from ksana.messages import AbortRequest, RequestDelta, TokensOut
 from ksana.offline_io import OfflineIOActor
 from ksana.output_processor import SequenceStream

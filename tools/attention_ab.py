@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loade
 
 import torch  # noqa: E402
 from _sources import build_ops, head_source  # noqa: E402
-from ksana.kernels.cpu import build  # noqa: E402
-from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 
 from ksana.bench.results import write_json  # noqa: E402
+from ksana.kernels.cpu import build  # noqa: E402
+from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 from ksana.worker.kv_cache import KVCache  # noqa: E402
 

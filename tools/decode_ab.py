@@ -36,11 +36,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from _sources import build_ops, head_source  # noqa: E402
-from ksana.kernels.cpu import build  # noqa: E402
-from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.bench.results import write_json  # noqa: E402
+from ksana.kernels.cpu import build  # noqa: E402
+from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 
 SKIP_STEPS = 2  # each generate call's first decode steps (caches and pools settling)
 

@@ -46,8 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loade
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _sources import build_library  # noqa: E402
-from ksana.kernels.cpu.build import SOURCE  # noqa: E402
-from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from roofline import Settings as RooflineSettings  # noqa: E402
 from roofline import (  # noqa: E402
     best_ceilings,
@@ -60,6 +58,8 @@ from roofline import (  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.bench.results import write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
+from ksana.kernels.cpu.build import SOURCE  # noqa: E402
+from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 
 SKIP_STEPS = 2  # each generate call's first decode steps (caches and pools settling)

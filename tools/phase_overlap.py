@@ -45,11 +45,11 @@ import attrs
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from ksana.kernels.cpu.ops import _cache_layout  # noqa: E402
 from kv_layout_ab import Settings, capture_step  # noqa: E402
 
 from ksana import LLM  # noqa: E402
 from ksana.bench.results import write_json  # noqa: E402
+from ksana.kernels.cpu.ops import _cache_layout  # noqa: E402
 
 CASES = ("fused_step", "attention_all", "attention_one", "projections_all", "projections_one",
          "projections_one_halves", "overlapped", "overlapped_halves")

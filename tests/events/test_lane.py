@@ -9,6 +9,7 @@ import weakref
 import pytest
 import trio
 import trio.testing
+
 from ksana.events.lane import BlockingLane
 
 

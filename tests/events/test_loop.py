@@ -6,6 +6,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
+
 from ksana.events import (
     Actor,
     ActorError,

@@ -8,6 +8,7 @@ import time
 import attrs
 import pytest
 import trio
+
 from ksana.events import Actor, EventLoop, Trace, TraceRecord, VirtualClock, WallClock, advance, handles
 
 

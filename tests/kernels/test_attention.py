@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from ksana.kernels import attention
 from ksana.kernels.attention import (
     PREFILL_QUERY_CHUNK,

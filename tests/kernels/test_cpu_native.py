@@ -13,6 +13,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+
 from ksana.kernels import attention, norm, rotary
 from ksana.kernels.backends import cpu_ops
 from ksana.kernels.cpu import load_library
@@ -31,7 +32,6 @@ from ksana.kernels.cpu.ops import (
     packed_prefetch_min_rows,
 )
 from ksana.kernels.cpu.packed import PackedWeight, dense_weight
-
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
 from tests.kernels.test_attention import HEAD_DIM, ROWS, as_head_major, dense_reference, make_batch

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ksana.kernels.cpu import load_library
 from ksana.kernels.cpu.huge_pages import HUGE_PAGE, huge_page_empty, huge_page_zeros
 from ksana.kernels.cpu.ops import NativeCPUOps
 from ksana.kernels.cpu.packed import PackedWeight, dense_weight
-
 from ksana.models.shape import ModelShape
 from ksana.worker.kv_cache import KVCache
 

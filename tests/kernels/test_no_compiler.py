@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ksana.kernels.cpu.build import find_compiler
 
 from ksana.builtin import resolve_model_dir
+from ksana.kernels.cpu.build import find_compiler
 
 GENERATE = """
 import json, sys

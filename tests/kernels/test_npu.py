@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+
 from ksana.kernels import activation, attention, norm, npu, rotary
 from ksana.kernels.backends import npu_ops
 

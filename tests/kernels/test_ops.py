@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
 from ksana.kernels import apply_rotary, fused_add_rms_norm, get_ops, rms_norm, rotary_cos_sin, silu_and_mul
 from ksana.kernels.cpu import load_library
 from ksana.kernels.dispatch import TORCH_OPS
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

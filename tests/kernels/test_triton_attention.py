@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+
 from ksana.kernels import attention as reference
 from ksana.kernels.attention_metadata import AttentionMetadata
 from ksana.kernels.triton import attention as triton_attention

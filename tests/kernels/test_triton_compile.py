@@ -24,9 +24,10 @@ def compile_all(arch: int) -> list[dict]:
     """Compile the kernels for ``arch``; one record per variant (run with ``TRITON_INTERPRET`` unset)."""
     import triton
     import triton.language as tl
-    from ksana.kernels.triton import activation, attention, cache, norm, rotary
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from ksana.kernels.triton import activation, attention, cache, norm, rotary
 
     target = GPUTarget("cuda", arch, 32)
     attention_consts = {"BLOCK_SIZE": 16, "BLOCK_N": 64, "BLOCK_D": 128, "HAS_WINDOW": True}

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ksana.kernels.backends import triton_ops
 from ksana.kernels.cpu.packed import PackedWeight
 from ksana.kernels.dispatch import TORCH_OPS, KernelOps
-
 from ksana.models import load_model
 from ksana.worker.kv_cache import KVCache
 from tests.model_factory import BlockPool, PagedSequence, build_step, make_checkpoint, random_prompts

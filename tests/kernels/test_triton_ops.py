@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ksana.kernels import activation, norm, rotary
 from ksana.kernels.backends import triton_ops
 from ksana.kernels.triton import activation as triton_activation

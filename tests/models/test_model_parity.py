@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ksana.kernels.cpu.packed import dense_weight
 from safetensors.torch import load_file, save_file
 
+from ksana.kernels.cpu.packed import dense_weight
 from ksana.models import ModelShape, load_model
 from ksana.models.shape import sliding_windows_from_hf_config
 from ksana.worker.kv_cache import KVCache

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from ksana.perf import runner as perf_runner
 
 from ksana.cli import main
+from ksana.perf import runner as perf_runner
 
 GOOD_BATCH = {"forwarding_token_num": 8, "sequence_len": 40, "request_num": 2}
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from ksana import LLM, SamplingParams
 from ksana.kernels import attention
 from ksana.kernels.cpu.ops import NativeCPUOps
 from ksana.kernels.dispatch import TORCH_OPS, KernelOps, get_ops
@@ -11,8 +13,6 @@ from ksana.perf.csv_writer import csv_row
 from ksana.perf.operator_profiler import OPERATORS, OperatorProfiler
 from ksana.perf.perf_config import BatchSpec, RequestSpec
 from ksana.perf.stats import summarize
-
-from ksana import LLM, SamplingParams
 from tests.kernels.test_attention import ROWS, make_batch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+
 from ksana.perf.csv_writer import CSV_HEADER
 from ksana.perf.operator_profiler import OPERATORS
 

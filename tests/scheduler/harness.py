@@ -7,11 +7,11 @@ import random
 import attrs
 import trio
 import trio.testing
-from ksana.events import Actor, EventLoop, handles
-from ksana.events.clock import VirtualClock
 
 from ksana.cache.cache_manager_actor import CacheManagerActor, make_cache_manager
 from ksana.config import BatchSchedulerSetting
+from ksana.events import Actor, EventLoop, handles
+from ksana.events.clock import VirtualClock
 from ksana.messages import AbortRequest, AddRequest, CacheStats, GetCacheStats, TokensOut
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams

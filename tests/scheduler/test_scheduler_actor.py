@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import trio
 import trio.testing
-from ksana.events import Actor, EventLoop, handles
-from ksana.events.clock import VirtualClock
 
 from ksana.cache.cache_manager_actor import CacheManagerActor
 from ksana.cache.direct_cache_manager import DirectCacheManager
 from ksana.config import BatchSchedulerSetting
+from ksana.events import Actor, EventLoop, handles
+from ksana.events.clock import VirtualClock
 from ksana.messages import AddRequests, AllocateStepBlocks, FreeRequestBlocks, GetCacheStats, TokensOut
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams

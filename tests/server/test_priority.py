@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from ksana.events import BlockingLane
 
+from ksana.events import BlockingLane
 from ksana.server.priority import DEFAULT_LOOP_NICE, lower_loop_priority, parse_loop_nice
 
 

@@ -7,6 +7,7 @@ import random
 
 import orjson
 import pytest
+
 from ksana.perf.perf_config import ModelPerfConfig
 from ksana.perf.runner import run_model_perf
 from ksana.simulator.features import StepShape

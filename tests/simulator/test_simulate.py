@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from ksana.bench.trace import TraceError, TraceRequest
 from ksana.simulator.fit import check_identity
 from ksana.simulator.profile import ProfileError
 from ksana.simulator.report import build_report
 from ksana.simulator.simulate import prepare, run_simulation
-
-from ksana.bench.trace import TraceError, TraceRequest
 from tests.simulator.fits import linear_fit
 
 

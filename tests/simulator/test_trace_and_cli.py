@@ -8,9 +8,9 @@ import sys
 
 import orjson
 import pytest
-from ksana.simulator.sweep import sweep_batches
 
 from ksana.bench.trace import TraceRequest, prompt_ids, read_trace, synthetic_trace, write_trace
+from ksana.simulator.sweep import sweep_batches
 from tests.simulator.fits import linear_fit
 
 

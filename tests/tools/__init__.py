@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 
 import pytest
+
 from ksana.kernels.cpu import build, load_library
 from ksana.kernels.cpu.ops import NativeCPUOps
-
 from tests.bench import load_bench
 
 

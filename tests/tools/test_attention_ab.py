@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 import torch
-from ksana.kernels.cpu import build
 
+from ksana.kernels.cpu import build
 from tests.tools import load_tool, require_compiler
 
 FINISH_LINE = "float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;"

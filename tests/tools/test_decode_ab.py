@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ksana.kernels.cpu import build
 
+from ksana.kernels.cpu import build
 from tests.tools import load_tool, require_compiler, require_fused_decode
 
 NORM_LINE = "float inv = 1.0f / sqrtf(ss / (float)dim + eps);"

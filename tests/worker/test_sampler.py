@@ -3,9 +3,9 @@ from collections import Counter
 
 import pytest
 import torch
-from ksana.kernels.backends import cpu_ops
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from ksana.kernels.backends import cpu_ops
 from ksana.sampling_params import SamplingParams
 from ksana.worker.sampler import Sampler, SamplingRow, fast_argmax, generator_seed
 
