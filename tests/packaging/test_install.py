@@ -42,8 +42,13 @@ def installed(tmp_path_factory) -> Path:
     """The project built as a wheel and installed, without its dependencies, into a folder of its own."""
     source, target = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("site")
     # A copy of what the wheel is built from, so that the build's own folders stay out of the checkout.
-    shutil.copytree(REPO, source, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "*.egg-info", "__pycache__", "bench", "tests", "tools", "notebooks"))
+    skip_top = {".git", ".venv", "build", "bench", "tests", "tools", "notebooks"}
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        top = Path(folder) == REPO
+        return {n for n in names if (top and n in skip_top) or n == "__pycache__" or n.endswith(".egg-info")}
+
+    shutil.copytree(REPO, source, dirs_exist_ok=True, ignore=ignore)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(target), str(source)], check=True, timeout=600)
     return target
