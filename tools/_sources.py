@@ -9,9 +9,12 @@ kernels' code, not of their interface.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import shutil
 import subprocess
 from pathlib import Path
 
+from ksana.kernels.build_cache import build_cached
 from ksana.kernels.cpu import build
 from ksana.kernels.cpu.ops import NativeCPUOps
 
@@ -28,15 +31,24 @@ def head_source(directory: Path) -> Path:
 
 
 def build_library(source: Path, directory: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """``source`` compiled with this machine's flags plus ``-D`` each of ``defines`` into ``directory`` (made
-    here: a fresh folder), uncached, loaded and bound."""
+    """``source`` compiled with this machine's flags plus ``-D`` each of ``defines``, loaded and bound. Builds are
+    cached by content (source, compiler, flags) in Ksana's cache, so the same source is compiled once; the copy
+    loaded is placed in ``directory`` (a fresh folder), so two builds of one source are still two libraries."""
     compiler = build.find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or put cc or gcc on the PATH)")
-    directory.mkdir()
-    print(f"building {source}", flush=True)
     flags = [*build.compiler_flags(), *(f"-D{name}" for name in defines)]
-    return build.bind(ctypes.CDLL(str(build.compile_library(compiler, flags, directory, source))))
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags]).encode()).hexdigest()[:16]
+
+    def compile_into(tmp: Path) -> None:
+        print(f"building {source}", flush=True)
+        build.compile_library(compiler, flags, tmp, source)
+
+    cached = build_cached(f"tool-build-{key}", compile_into) / build.LIBRARY_NAME
+    directory.mkdir()
+    library = directory / build.LIBRARY_NAME
+    shutil.copyfile(cached, library)
+    return build.bind(ctypes.CDLL(str(library)))
 
 
 def build_ops(source: Path, directory: Path) -> NativeCPUOps:
