@@ -135,6 +135,30 @@ def kernels_rows(report: dict[str, Any]) -> Iterator[Row]:
            f"{100 * best['ceiling_fraction']:.0f}% ({best['achieved']:.4g} {best['unit']})", "", "")
 
 
+SIMULATOR_METRICS = {"ttft_p50_ms": "TTFT p50", "ttft_p90_ms": "p90", "tpot_p50_ms": "TPOT p50",
+                     "tpot_p90_ms": "p90", "itl_p50_ms": "ITL p50", "e2el_p50_ms": "E2EL p50",
+                     "output_throughput_tok_s": "throughput"}
+
+
+def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
+    target = report["target_rel_error"]
+    for run in report["runs"]:
+        settings = ", ".join(f"{k} {v}" for k, v in run["settings"].items()) or "defaults"
+        figure = (f"simulated / measured, `{report['model']}`, {run['trace']}: {run['num_requests']} requests at "
+                  f"{run['rate']:g}/s (burstiness {run['burstiness']:g}), {settings}; relative error")
+        errors = ", ".join(f"{SIMULATOR_METRICS[k]} {v['rel_error']:.1%}" for k, v in run["metrics"].items())
+        yield (figure, f"**{run['max_rel_error']:.1%}** at most ({errors})",
+               *_at_most(run["max_rel_error"] * 100, target * 100, f"{target:.0%} each"))
+
+
+def simulator_speed_rows(report: dict[str, Any]) -> Iterator[Row]:
+    per_10000 = report["wall_s"] * 10_000 / report["num_requests"]
+    figure = (f"simulator: {report['num_requests']:,} requests at {report['rate']:g}/s, {report['num_steps']:,} "
+              f"steps of {report['mean_rows_per_step']:.0f} rows on average; wall time for 10,000")
+    yield (figure, f"**{per_10000:.1f} s** ({report['simulated_s']:.0f} s simulated)",
+           *_at_most(per_10000, report["target_s_for_10000"], f"{report['target_s_for_10000']:g} s"))
+
+
 # Benchmark name (the file name's prefix) -> the script that writes it and its rows, in the tables' order.
 BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "throughput": ("throughput.py", throughput_rows),
@@ -143,6 +167,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "prefix_cache": ("prefix_cache.py", prefix_cache_rows),
     "tp": ("tp.py", tp_rows),
     "kernels": ("kernel_ops.py", kernels_rows),
+    "simulator_validation": ("simulator_validation.py", simulator_rows),
+    "simulator_speed": ("simulator_speed.py", simulator_speed_rows),
 }
 
 
@@ -204,7 +230,7 @@ def render(folder: Path) -> str:
     lines = [BEGIN, ""]
     for kind in sorted(by_kind, key=lambda k: (latest(k), k), reverse=True):
         results = sorted(by_kind[kind], key=lambda item: (order[benchmark_of(item[0])], item[0].name))
-        machine = results[0][1]["machine"]
+        machine = max(results, key=lambda item: item[1].get("time") or "")[1]["machine"]  # the newest run's
         lines += [f"### {machine['label']} (`{kind}`)", "", machine_line(machine), "",
                   "| benchmark | figure | result | target | met | JSON |", "|---|---|---|---|---|---|"]
         for path, report in results:

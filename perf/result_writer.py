@@ -65,6 +65,20 @@ def device_info(device: torch.device) -> dict[str, Any]:
             "num_threads": torch.get_num_threads()}
 
 
+def kernels_info(device: torch.device) -> dict[str, Any]:
+    """Which kernels ran: the ``KernelOps`` set, and on the CPU the native build's instruction set. Part of a
+    profile's identity: the simulator refuses to mix latencies of different kernels."""
+    from ksana.kernels.dispatch import get_ops
+
+    ops = get_ops(device)
+    info: dict[str, Any] = {"ops": ops.name}
+    if ops.name == "cpu-native":
+        from ksana.kernels.cpu.build import build_level
+
+        info["cpu_build"] = build_level()
+    return info
+
+
 def model_info(model_dir: Path, shape: ModelShape, num_parameters: int) -> dict[str, Any]:
     return {
         "model_dir": str(model_dir),

@@ -38,6 +38,7 @@ from ksana.perf.result_writer import (
     batch_json,
     device_info,
     environment_info,
+    kernels_info,
     model_info,
     now_iso,
     write_json,
@@ -172,6 +173,7 @@ def run_model_perf(
             "duration_s": round(time.perf_counter() - started, 3),
             "model": model_info(model_dir, engine.shape, sum(p.numel() for p in model.parameters())),
             "device": device_info(engine.device),
+            "kernels": kernels_info(engine.device),
             **environment_info(),
             "runtime": {
                 "block_token_num": block_size,

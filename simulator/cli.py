@@ -5,6 +5,8 @@
     ksana simulate fit model_perf_result.json [more.json ...] --out fit.json
     ksana simulate sweep --out sweep_batch_config.json [--max-batch-size 64 --split-fuse-token-num 256 ...]
     ksana simulate trace --rate 4 --num-requests 100 --input-len 32:512 --output-len 16:256 --out trace.jsonl
+    ksana simulate calibrate --model smollm2 --profile fit.json --out fit_calibrated.json
+    ksana simulate validate --model smollm2 --trace trace.jsonl [--profile FIT] --out validation.json
 
 Bad input (a profile of another model or dtype, a malformed trace, an unknown SLO metric) is one line naming the
 file, line or key, and exit code 2.
@@ -94,6 +96,23 @@ def add_simulate_parser(subparsers) -> None:
     sweep.add_argument("--max-context", type=int, default=2048, help="longest sequence to profile")
     sweep.set_defaults(func=_cmd_sweep)
 
+    check = sub.add_parser("validate", help="serve, replay a trace, simulate it, and compare the two")
+    add_config_flags(check)
+    check.add_argument("--trace", required=True, help="the JSONL trace to replay and simulate")
+    check.add_argument("--profile", help="a latency fit or perf result (default: profile the model first)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the prompts the trace leaves to chance")
+    check.add_argument("--no-calibrate", action="store_true",
+                       help="simulate with the fit as it is (default: calibrate an uncalibrated fit first)")
+    check.add_argument("--out", default="validation.json")
+    check.add_argument("--no-progress", action="store_true")
+    check.set_defaults(func=_cmd_validate)
+
+    cal = sub.add_parser("calibrate", help="scale a fit's step times to a real server's, from a probe trace")
+    add_config_flags(cal)
+    cal.add_argument("--profile", required=True, help="the latency fit (or perf result) to calibrate")
+    cal.add_argument("--out", default="latency_fit_calibrated.json")
+    cal.set_defaults(func=_cmd_calibrate)
+
     trace = sub.add_parser("trace", help="write a synthetic JSONL trace (the same for the load generator)")
     _add_workload_flags(trace)
     trace.add_argument("--out", default="trace.jsonl")
@@ -126,6 +145,33 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     batches = sweep_batches(args.max_batch_size, args.max_step_tokens, args.split_fuse_token_num, args.max_context)
     print(f"wrote {write_batch_config(args.out, batches)} ({len(batches)} batches)")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from ksana.simulator.calibrate import calibrate
+
+    if args.model is None:
+        raise ValueError("ksana simulate calibrate needs --model")
+    out = Path(args.out)
+    fit, measured = calibrate(args.model, args.profile, args.config, config_overrides(args),
+                              out.with_suffix(""))
+    print(f"serving cost per step: {fit.serving_step_ms:.2f} ms "
+          f"(probe: {measured['completed']} requests, {measured['output_throughput']:.1f} output tok/s)")
+    print(f"wrote {fit.save(out)}")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from ksana.simulator.validate import format_table, validate
+
+    if args.model is None:
+        raise ValueError("ksana simulate validate needs --model")
+    report = validate(args.model, args.trace, args.profile, args.config, config_overrides(args), args.out,
+                      seed=args.seed, progress=not args.no_progress, calibrate_first=not args.no_calibrate)
+    print(f"serving cost per step: {report['serving_step_ms']:.2f} ms")
+    print(format_table(report["metrics"]))
+    print(f"wrote {args.out}")
     return 0
 
 

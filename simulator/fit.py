@@ -46,9 +46,13 @@ class LatencyFit:
     engine: FittedModel
     baseline: FittedModel  # DistServe's three terms on the worker's time, for comparison
     groups: dict[str, FittedModel]
+    # What a step costs more when serving than perf mode measured (``ksana simulate calibrate``): each step's
+    # streamed events (HTTP, the client) and hand-offs take the forward's cores for a while, whatever the step.
+    serving_step_ms: float = 0.0
+    calibration: dict[str, Any] | None = None
 
     def worker_s(self, shape: StepShape) -> float:
-        return max(0.0, self.worker.model.predict(shape.features())) / 1000
+        return (max(0.0, self.worker.model.predict(shape.features())) + self.serving_step_ms) / 1000
 
     def engine_s(self, shape: StepShape) -> float:
         return max(0.0, self.engine.model.predict(shape.features())) / 1000
@@ -57,7 +61,8 @@ class LatencyFit:
         return {"format": FIT_FORMAT, "version": FIT_VERSION, "identity": self.identity,
                 "provenance": self.provenance, "worker_ms": self.worker.to_json(),
                 "engine_ms": self.engine.to_json(), "baseline_worker_ms": self.baseline.to_json(),
-                "groups_ms": {name: model.to_json() for name, model in self.groups.items()}}
+                "groups_ms": {name: model.to_json() for name, model in self.groups.items()},
+                "serving_step_ms": self.serving_step_ms, "calibration": self.calibration}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -73,7 +78,9 @@ class LatencyFit:
             return cls(identity=data["identity"], provenance=data["provenance"],
                        worker=_fitted(data["worker_ms"]), engine=_fitted(data["engine_ms"]),
                        baseline=_fitted(data["baseline_worker_ms"]),
-                       groups={name: _fitted(g) for name, g in data["groups_ms"].items()})
+                       groups={name: _fitted(g) for name, g in data["groups_ms"].items()},
+                       serving_step_ms=float(data.get("serving_step_ms", 0.0)),
+                       calibration=data.get("calibration"))
         except (KeyError, TypeError) as error:
             raise ProfileError(f"{source}: malformed latency fit: missing {error}") from None
 

@@ -55,7 +55,7 @@ def sweep_batches(max_batch_size: int, max_step_tokens: int, split_fuse_token_nu
     for rows in rows_range:  # decode
         for context in contexts:
             add(row(1, context, rows))
-    for q in sorted({min(64, chunk), chunk}):  # mixed: a chunk beside decode rows
+    for q in sorted({min(64, chunk), min(256, chunk), chunk}):  # mixed: a chunk beside decode rows
         for rows in rows_range[::2] + ([rows_range[-1]] if len(rows_range) % 2 == 0 else []):
             for context in (256, 1024):
                 if rows + 1 <= max_batch_size and q + rows <= max_step_tokens:

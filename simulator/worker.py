@@ -9,7 +9,7 @@ the next plan arrives while a step runs, and the engine's time hides behind the 
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 
 import attrs
 import trio
@@ -69,8 +69,7 @@ class SimulatedWorker(Actor):
     def _token(self, request_id: str, position: int) -> int:
         """A token that depends on the request and position (so outputs differ, as a model's would) and is never
         an end-of-sequence id (output lengths come from the workload)."""
-        digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
-        token = int.from_bytes(digest, "little") % self.vocab_size
+        token = zlib.crc32(f"{request_id}:{position}".encode()) % self.vocab_size
         while token in self.eos_token_ids:
             token = (token + 1) % self.vocab_size
         return token

@@ -428,7 +428,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                    "current directory)")
 
 
-def _server_info(args: argparse.Namespace) -> dict[str, Any]:
+def server_info(args: argparse.Namespace) -> dict[str, Any]:
     import httpx2
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -448,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
     if args.burstiness <= 0:
         raise SystemExit("--burstiness must be positive")
     Target.parse(args.base_url)  # a bad --base-url is a message, before any request
-    info = _server_info(args)
+    info = server_info(args)
     model = args.model or info["id"]
     if args.trace is not None:
         requests = trace_requests(Path(args.trace), info.get("vocab_size") or 1000, args.seed)

@@ -19,8 +19,9 @@ from ksana.simulator.sweep import sweep_batches
 META = {"model": {"model_type": "qwen2", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "head_dim": 16, "intermediate_size": 128, "vocab_size": 1024, "dtype": "float32"},
         "device": {"type": "cpu", "name": "test cpu", "num_threads": 2}, "git_commit": "abc"}
-# worker ms = 2 + 0.05 / prefill token + 1e-5 / attention pair + 0.3 / decode row + 2e-4 / decode context token
-LAW = (2.0, 0.05, 1e-5, 0.3, 2e-4, 0.0)
+# worker ms = 2 + 0.05 / prefill token + 1e-5 / attention pair + 0.3 / decode row + 0.01 / decode row squared
+# + 2e-4 / decode context token
+LAW = (2.0, 0.05, 1e-5, 0.3, 0.01, 2e-4, 0.0)
 
 
 def _perf_result(batches, law=LAW, noise=0.0, seed=0, meta=META):

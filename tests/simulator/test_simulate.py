@@ -50,6 +50,23 @@ def test_a_lone_request_follows_the_fit(tmp_path, identity, async_scheduling):
     assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.02, 0.01, 0.01]
 
 
+def test_a_calibrated_fit_adds_its_serving_cost_to_every_step(tmp_path, identity):
+    setup = _setup(tmp_path, identity, serving_step_ms=5.0)
+    result = run_simulation(setup, [TraceRequest(0.0, 100, 3)], progress=False)
+    assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.025, 0.015, 0.015]
+
+
+def test_calibration_scores_the_requests_median_log_error():
+    from ksana.simulator.calibrate import mismatch
+
+    measured = {"requests": [{"success": True, "e2el": 2.0, "ttft": 0.2, "tpot": 0.02}] * 3}
+    off = {"requests": [{"success": True, "e2el": 2.2, "ttft": 0.22, "tpot": 0.022}] * 3}
+    assert mismatch(measured, off) == pytest.approx(math.log(1.1))
+    assert mismatch(measured, measured) == 0.0
+    failed = {"requests": [{"success": False, "e2el": 0.0, "ttft": 0.0, "tpot": None}] * 3}
+    assert mismatch(measured, failed) == math.inf
+
+
 def test_arrivals_wait_for_the_running_step(tmp_path, identity):
     """A request arriving while a step runs joins the next step; its TTFT counts from its arrival."""
     setup = _setup(tmp_path, identity, {"async_scheduling": False})

@@ -1,0 +1,76 @@
+"""The scheduler simulator against real serving on three traces: light load, saturation, and bursty long prompts
+with chunked prefill and a small KV pool (preemption). Each is ``ksana simulate validate``: serve the model, replay
+the trace with the load generator, simulate it with the same settings, compare.
+
+    python bench/simulator_validation.py                      # smollm2: profile, calibrate, three traces (~12 min)
+    python bench/simulator_validation.py --profile fit.json   # reuse a (calibrated) fit
+    python bench/simulator_validation.py --quick              # the demo model, small traces
+
+Target: every metric within 10% of the measurement (TTFT p50/p90, TPOT p50/p90, ITL p50, E2EL p50, output
+throughput). Writes ``bench/results/simulator_validation_<machine kind>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from ksana.bench.results import machine_info, write_json  # noqa: E402
+from ksana.bench.trace import synthetic_trace, write_trace  # noqa: E402
+from ksana.simulator.validate import format_table, validate  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+TARGET = 0.10
+
+# name -> (trace: num, rate, input, output, burstiness, seed; settings beyond the defaults)
+TRACES: dict[str, tuple[tuple, dict[str, Any]]] = {
+    "light": ((40, 0.5, (32, 256), (32, 128), 1.0, 1), {}),
+    "saturated": ((64, 6.0, (64, 512), (64, 256), 1.0, 2), {}),
+    "bursty_long": ((30, 0.35, (512, 1536), (16, 128), 0.2, 3),
+                    {"split_fuse_token_num": 256, "num_device_blocks": 600}),
+}
+QUICK = {"light": ((6, 4.0, (8, 32), (4, 12), 1.0, 1), {}),
+         "bursty_long": ((6, 4.0, (64, 160), (4, 8), 0.2, 3), {"split_fuse_token_num": 32})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="default smollm2 (demo with --quick)")
+    parser.add_argument("--profile", help="a latency fit or perf result (default: profile and calibrate first)")
+    parser.add_argument("--quick", action="store_true", help="the demo model and two small traces")
+    parser.add_argument("--out", help="result JSON (default bench/results/simulator_validation_<machine>.json)")
+    args = parser.parse_args(argv)
+    model = args.model or ("demo" if args.quick else "smollm2")
+    traces = QUICK if args.quick else TRACES
+    kind = "quick" if args.quick else machine_info()["kind"]
+    out = Path(args.out or RESULTS / f"simulator_validation_{kind}.json")
+    work = Path(tempfile.mkdtemp(prefix="simulator-validation-"))
+    profile = args.profile
+    runs = []
+    for name, ((num, rate, input_len, output_len, burstiness, seed), settings) in traces.items():
+        trace = write_trace(work / f"{name}.jsonl", synthetic_trace(num, rate, input_len, output_len, burstiness,
+                                                                    seed))
+        print(f"== {name}: {num} requests at {rate}/s (burstiness {burstiness}), prompts {input_len}, outputs "
+              f"{output_len}, settings {settings or 'default'}", flush=True)
+        report = validate(model, trace, profile, None, settings, work / f"validation_{name}.json", progress=False)
+        profile = report["profile"]  # the first run's profile and calibration serve the others
+        print(format_table(report["metrics"]), flush=True)
+        worst = max(row["rel_error"] for row in report["metrics"].values())
+        runs.append({"trace": name, "num_requests": num, "rate": rate, "burstiness": burstiness,
+                     "input_len": input_len, "output_len": output_len, "settings": settings,
+                     "num_blocks": report["num_blocks"], "serving_step_ms": report["serving_step_ms"],
+                     "total_preemptions_simulated": report["simulated"]["total_preemptions"],
+                     "metrics": report["metrics"], "max_rel_error": worst, "met": worst <= TARGET})
+    write_json({"model": model, "profile": str(profile), "target_rel_error": TARGET, "runs": runs,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
