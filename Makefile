@@ -25,6 +25,7 @@ PORT ?= 8080
 serve: $(STAMP)
 	$(VENV)/bin/ksana serve --model smollm2 --host $(HOST) --port $(PORT)
 
+# -P keeps the checkout's root off sys.path: its kernels/ folder would shadow Hugging Face's `kernels` package.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -P -m pytest

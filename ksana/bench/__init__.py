@@ -1,2 +1,2 @@
-"""What the installed package carries of the benchmarks: the load generator (``ksana bench serve``) and the
-result-JSON writer every script in ``bench/`` shares."""
+"""What the installed package carries of the benchmarks: the load generator (``ksana bench serve``), the request
+trace it shares with the simulator, and the result-JSON writer every script in ``bench/`` uses."""
