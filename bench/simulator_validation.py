@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"trace": name, "num_requests": num, "rate": rate, "burstiness": burstiness,
                      "input_len": input_len, "output_len": output_len, "settings": settings,
                      "num_blocks": report["num_blocks"], "serving_step_ms": report["serving_step_ms"],
+                     "serving_request_ms": report["serving_request_ms"],
                      "total_preemptions_simulated": report["simulated"]["total_preemptions"],
                      "metrics": report["metrics"], "max_rel_error": worst, "met": worst <= TARGET})
     write_json({"model": model, "profile": str(profile), "target_rel_error": TARGET, "runs": runs,

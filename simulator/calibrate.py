@@ -2,11 +2,12 @@
 
 Perf mode times each step alone, with nothing else on the cores. A server also runs HTTP and every stream's events
 after each step, and its load generator shares the machine: on a small CPU that work takes the forward's cores for
-a while every step, whatever the step's size (it shows as a sixth of a lone request's decode step on two cores, and
-vanishes in a long prefill's). The calibration serves the model, replays a short probe trace of its own (not the
-trace to be predicted), simulates the same probe with several per-step costs added to the worker's time, and keeps
-the one whose requests' latencies match best (the median over requests of |log(simulated / measured)| of E2EL,
-TTFT and TPOT). It is saved in the fit as ``serving_step_ms``.
+a while every step, whatever the step's size; and each request spends time in HTTP handling and the client before
+the engine sees it and after its first token (tens of milliseconds of a small model's TTFT on two cores). The
+calibration serves the model, replays a short probe trace of its own (not the trace to be predicted), simulates the
+same probe over a grid of per-step and per-request costs, and keeps the pair whose requests' latencies match best
+(the median over requests of |log(simulated / measured)| of E2EL, TTFT and TPOT). They are saved in the fit as
+``serving_step_ms`` and ``serving_request_ms``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ksana.bench.trace import TraceRequest, synthetic_trace, write_trace
 
 # A minute's mix of arrivals, short and long prompts and outputs: neither idle nor saturated.
 PROBE = {"num": 32, "rate": 2.0, "input_len": (32, 512), "output_len": (16, 160), "burstiness": 1.0, "seed": 7919}
-STEP_MS = tuple(0.25 * i for i in range(41))  # 0 .. 10 ms
+STEP_MS = tuple(0.5 * i for i in range(17))  # 0 .. 8 ms
+REQUEST_MS = tuple(5.0 * i for i in range(13))  # 0 .. 60 ms
 
 
 def probe_trace() -> list[TraceRequest]:
@@ -44,7 +46,8 @@ def mismatch(measured: dict[str, Any], simulated: dict[str, Any]) -> float:
 
 def calibrate(model: str, profile: str | Path, config_path: str | None, overrides: dict[str, Any],
               folder: Path, seed: int = 0) -> tuple[Any, dict[str, Any]]:
-    """The fit with its ``serving_step_ms`` set from a probe against a real server; and the probe's report."""
+    """The fit with its ``serving_step_ms`` and ``serving_request_ms`` set from a probe against a real server;
+    and the probe's report."""
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
     from ksana.simulator.validate import measure, server_flags
@@ -57,14 +60,19 @@ def calibrate(model: str, profile: str | Path, config_path: str | None, override
     setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
     scores = {}
     for step_ms in STEP_MS:
-        scaled = attrs.evolve(setup, fit=attrs.evolve(setup.fit, serving_step_ms=step_ms))
-        result = run_simulation(scaled, requests, seed=seed, progress=False, source=str(trace))
-        simulated = build_report(result.timelines, model=model, request_rate=PROBE["rate"], burstiness=1.0,
-                                 dataset=str(trace), seed=seed, goodput=None)
-        scores[step_ms] = mismatch(measured, simulated)
-    best = min(scores, key=scores.get)
+        for request_ms in REQUEST_MS:
+            fit = attrs.evolve(setup.fit, serving_step_ms=step_ms, serving_request_ms=request_ms)
+            result = run_simulation(attrs.evolve(setup, fit=fit), requests, seed=seed, progress=False,
+                                    source=str(trace))
+            simulated = build_report(result.timelines, model=model, request_rate=PROBE["rate"], burstiness=1.0,
+                                     dataset=str(trace), seed=seed, goodput=None)
+            scores[(step_ms, request_ms)] = mismatch(measured, simulated)
+    best_step, best_request = min(scores, key=scores.get)
     calibration = {"probe": {**PROBE, "trace": str(trace)}, "settings": {k: v for k, v in overrides.items()
                                                                           if v is not None},
-                   "mismatch_by_step_ms": {f"{step_ms:.2f}": score for step_ms, score in scores.items()},
+                   "mismatch_by_step_and_request_ms": {f"{step:.1f},{request:.0f}": score
+                                                       for (step, request), score in scores.items()},
                    "measured_output_throughput": measured["output_throughput"]}
-    return attrs.evolve(setup.fit, serving_step_ms=best, calibration=calibration), measured
+    fit = attrs.evolve(setup.fit, serving_step_ms=best_step, serving_request_ms=best_request,
+                       calibration=calibration)
+    return fit, measured

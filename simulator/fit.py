@@ -49,6 +49,8 @@ class LatencyFit:
     # What a step costs more when serving than perf mode measured (``ksana simulate calibrate``): each step's
     # streamed events (HTTP, the client) and hand-offs take the forward's cores for a while, whatever the step.
     serving_step_ms: float = 0.0
+    # ... and what a request costs before the engine sees it and after its first token (HTTP, the client).
+    serving_request_ms: float = 0.0
     calibration: dict[str, Any] | None = None
 
     def worker_s(self, shape: StepShape) -> float:
@@ -62,7 +64,8 @@ class LatencyFit:
                 "provenance": self.provenance, "worker_ms": self.worker.to_json(),
                 "engine_ms": self.engine.to_json(), "baseline_worker_ms": self.baseline.to_json(),
                 "groups_ms": {name: model.to_json() for name, model in self.groups.items()},
-                "serving_step_ms": self.serving_step_ms, "calibration": self.calibration}
+                "serving_step_ms": self.serving_step_ms, "serving_request_ms": self.serving_request_ms,
+                "calibration": self.calibration}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -80,6 +83,7 @@ class LatencyFit:
                        baseline=_fitted(data["baseline_worker_ms"]),
                        groups={name: _fitted(g) for name, g in data["groups_ms"].items()},
                        serving_step_ms=float(data.get("serving_step_ms", 0.0)),
+                       serving_request_ms=float(data.get("serving_request_ms", 0.0)),
                        calibration=data.get("calibration"))
         except (KeyError, TypeError) as error:
             raise ProfileError(f"{source}: malformed latency fit: missing {error}") from None

@@ -33,8 +33,10 @@ class WorkloadReplayer(Actor):
     name = "io"
 
     def __init__(self, requests: Sequence[TraceRequest], vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_token_len: int, seed: int = 0,
+                 max_token_len: int, seed: int = 0, admission_delay_s: float = 0.0,
                  on_progress: Callable[[int], None] | None = None) -> None:
+        """``admission_delay_s``: how long after its arrival a request reaches the engine (a server's HTTP
+        handling and the client's, from ``LatencyFit.serving_request_ms``); latencies count from the arrival."""
         self.requests = list(requests)
         self.timelines = [RequestTimeline(r.arrival_time_s, r.prompt_len) for r in self.requests]
         self._infer: dict[str, tuple[int, InferRequest]] = {}
@@ -42,6 +44,7 @@ class WorkloadReplayer(Actor):
         self.eos_token_ids = eos_token_ids
         self.max_token_len = max_token_len
         self.seed = seed
+        self.admission_delay_s = admission_delay_s
         self.on_progress = on_progress
         self.num_open = len(self.requests)
         self.all_done = trio.Event()
@@ -53,7 +56,7 @@ class WorkloadReplayer(Actor):
 
     async def _arrive(self) -> None:
         for index, request in enumerate(self.requests):
-            await trio.sleep_until(self.started_at + request.arrival_time_s)
+            await trio.sleep_until(self.started_at + request.arrival_time_s + self.admission_delay_s)
             infer = InferRequest(
                 request_id=f"sim-{index}", prompt_token_ids=prompt_ids(request, index, self.vocab_size, self.seed),
                 sampling_params=SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True),

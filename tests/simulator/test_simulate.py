@@ -50,10 +50,12 @@ def test_a_lone_request_follows_the_fit(tmp_path, identity, async_scheduling):
     assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.02, 0.01, 0.01]
 
 
-def test_a_calibrated_fit_adds_its_serving_cost_to_every_step(tmp_path, identity):
-    setup = _setup(tmp_path, identity, serving_step_ms=5.0)
+def test_a_calibrated_fit_adds_its_serving_costs_to_every_step_and_request(tmp_path, identity):
+    """5 ms more a step; the request reaches the engine 30 ms after its arrival, from which its latencies count."""
+    setup = _setup(tmp_path, identity, serving_step_ms=5.0, serving_request_ms=30.0)
     result = run_simulation(setup, [TraceRequest(0.0, 100, 3)], progress=False)
     assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.025, 0.015, 0.015]
+    assert _ms(result.timelines[0].token_times_s) == [55.0, 70.0, 85.0]
 
 
 def test_calibration_scores_the_requests_median_log_error():
