@@ -23,7 +23,7 @@ from ksana.simulator.latency_model import (
     held_out_error,
     ols_relative,
 )
-from ksana.simulator.profile import OPERATOR_GROUPS, Profile, ProfileError, load_profile
+from ksana.simulator.profile import OPERATOR_GROUPS, Profile, ProfileError, load_profile, read_json
 
 FIT_FORMAT = "ksana-latency-fit"
 FIT_VERSION = 1
@@ -124,12 +124,7 @@ def fit_profile(profile: Profile) -> LatencyFit:
 def load_fit(path: str | Path) -> LatencyFit:
     """A saved fit, or a raw perf result (fitted on the fly)."""
     path = Path(path)
-    try:
-        data = orjson.loads(path.read_bytes())
-    except OSError as error:
-        raise ProfileError(f"{path}: cannot read: {error.strerror or error}") from None
-    except orjson.JSONDecodeError as error:
-        raise ProfileError(f"{path}: not JSON: {error}") from None
+    data = read_json(path)
     if isinstance(data, dict) and data.get("format") == FIT_FORMAT:
         return LatencyFit.from_json(data, str(path))
     return fit_profile(load_profile([path]))

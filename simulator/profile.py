@@ -62,13 +62,18 @@ def identity(meta: dict[str, Any]) -> dict[str, Any]:
             "kernels": meta.get("kernels")}
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> Any:
+    """A JSON file, or a ``ProfileError`` naming it."""
     try:
-        data = orjson.loads(path.read_bytes())
+        return orjson.loads(path.read_bytes())
     except OSError as error:
         raise ProfileError(f"{path}: cannot read: {error.strerror or error}") from None
     except orjson.JSONDecodeError as error:
         raise ProfileError(f"{path}: not JSON: {error}") from None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    data = read_json(path)
     if not isinstance(data, dict) or "meta" not in data or not isinstance(data.get("batches"), list):
         raise ProfileError(f"{path}: not a perf result (no 'meta' and 'batches'; see docs/perf_result.md)")
     return data

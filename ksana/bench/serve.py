@@ -33,6 +33,7 @@ import attrs
 import orjson
 
 from ksana.bench.results import write_json
+from ksana.bench.trace import arrival_times
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -106,18 +107,6 @@ def trace_requests(path: Path, vocab_size: int, seed: int) -> list[BenchRequest]
 
     return [BenchRequest(prompt_ids(r, i, vocab_size, seed), r.prompt_len, r.output_len, r.arrival_time_s)
             for i, r in enumerate(read_trace(path))]
-
-
-def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Send times from the start: all zero at an infinite rate, else gamma gaps (shape=burstiness, mean=1/rate)."""
-    if math.isinf(rate):
-        return [0.0] * num
-    rng = random.Random(seed + 1)
-    times, now = [], 0.0
-    for _ in range(num):
-        times.append(now)
-        now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-    return times
 
 
 # ---- one request ------------------------------------------------------------------------------------------------
