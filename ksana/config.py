@@ -63,11 +63,27 @@ class TokenizationSetting:
 
 
 @attrs.define(kw_only=True)
+class ConnectorSetting:
+    """Prefill/decode disaggregation (KsanaLLM's ``setting.connector``): this node's role in a pair, the router
+    it registers with, and how long a decode node waits for a prompt's K/V."""
+
+    group_role: str = "none"  # none | prefill | decode
+    router_addr: str = ""  # http://host:port of ``ksana router``
+    inference_addr: str = ""  # host:port the router reaches this node at ("": the served address)
+    cluster_name: str = "default_cluster"
+    heartbeat_interval_ms: int = 5000
+    # A decode node ends a request whose K/V has not come after this long, and drops received K/V no request
+    # claims after this long.
+    connector_waiting_sec: int = 30
+
+
+@attrs.define(kw_only=True)
 class Setting:
     global_: GlobalSetting = attrs.field(factory=GlobalSetting, alias="global_")
     batch_scheduler: BatchSchedulerSetting = attrs.field(factory=BatchSchedulerSetting)
     block_manager: BlockManagerSetting = attrs.field(factory=BlockManagerSetting)
     tokenization: TokenizationSetting = attrs.field(factory=TokenizationSetting)
+    connector: ConnectorSetting = attrs.field(factory=ConnectorSetting)
 
 
 @attrs.define(kw_only=True)
@@ -100,6 +116,7 @@ _YAML_TO_ATTR = {"global": "global_"}
 _ATTR_TO_YAML = {v: k for k, v in _YAML_TO_ATTR.items()}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda", "npu")
+_ROLES = ("none", "prefill", "decode")
 
 
 def _is_section(tp: Any) -> bool:
@@ -173,8 +190,13 @@ def _set_path(config: KsanaConfig, path: str, value: Any) -> None:
 
 def _validate(config: KsanaConfig) -> KsanaConfig:
     s, b, m = config.setting.batch_scheduler, config.setting.block_manager, config.model_spec.base_model
-    g = config.setting.global_
+    g, c = config.setting.global_, config.setting.connector
     checks = [
+        (c.group_role in _ROLES, "setting.connector.group_role", f"must be one of {', '.join(_ROLES)}"),
+        (c.group_role == "none" or c.router_addr, "setting.connector.router_addr",
+         "is needed when setting.connector.group_role is prefill or decode"),
+        (c.heartbeat_interval_ms >= 1, "setting.connector.heartbeat_interval_ms", "must be positive"),
+        (c.connector_waiting_sec >= 1, "setting.connector.connector_waiting_sec", "must be positive"),
         (b.block_token_num >= 1, "setting.block_manager.block_token_num", "must be at least 1"),
         (0 < b.block_device_memory_ratio <= 1, "setting.block_manager.block_device_memory_ratio", "must be in (0, 1]"),
         (0 <= b.reserved_device_memory_ratio < 1, "setting.block_manager.reserved_device_memory_ratio", "must be in [0, 1)"),

@@ -113,7 +113,11 @@ def build_scheduling(config: KsanaConfig, layout: EngineLayout,
     sched = config.setting.batch_scheduler
     manager = make_cache_manager(layout.num_blocks, layout.block_size, sched.enable_auto_prefix_cache,
                                  layout.sliding_window, layout.num_swa_blocks, remote_store)
-    return BatchScheduler(sched, layout.block_size, layout.num_blocks, layout.max_token_len), manager
+    connector = config.setting.connector
+    scheduler = BatchScheduler(sched, layout.block_size, layout.num_blocks, layout.max_token_len,
+                               kv_wait_s=float(connector.connector_waiting_sec))
+    scheduler.awaits_kv = connector.group_role == "decode"
+    return scheduler, manager
 
 
 def assemble_loop(scheduler: BatchScheduler, cache_manager: CacheManager, worker: Actor, io_actor: Actor,
@@ -184,6 +188,10 @@ class InferenceEngine:
             remote_store = FilesystemKVStore(remote_dir,
                                              store_namespace(self.model_dir, layout.block_size, self.dtype))
             self.runner.remote_store = remote_store
+        role = config.setting.connector.group_role
+        if role != "none" and (self.tp_runner is not None or layout.num_swa_blocks):
+            raise ConfigError("config key 'setting.connector.group_role': prefill/decode disaggregation is not "
+                              "implemented with tensor parallelism or a separate sliding-window KV pool")
         self.scheduler, self.cache_manager = build_scheduling(config, layout, remote_store)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.shape)
         # Every forward of the engine's life on one thread, across loops (each generate, a server's life): one

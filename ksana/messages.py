@@ -4,6 +4,7 @@ The loop routes by type, so each type has exactly one handling actor:
 - scheduler: ``AddRequest``, ``AddRequests``, ``AbortRequest``, ``StepResult``;
 - cache manager: ``AllocateStepBlocks`` (request/reply), ``FreeRequestBlocks``, ``GetCacheStats`` (request/reply);
 - worker: ``ExecuteStep``;
+- scheduler, from the KV transfer actor (prefill/decode disaggregation): ``KVArrived``;
 - I/O actor (or ModelPerfBackend, or the simulator's workload replayer): ``TokensOut``.
 A step costs a constant number of messages whatever the batch size: one ``ExecuteStep``, one ``StepResult``, one
 ``TokensOut`` and at most one block exchange (none when the plan needs no new block and frees none; finished
@@ -135,6 +136,54 @@ class RemoteLoad:
     blocks: tuple[RemoteBlock, ...]
 
 
+# ---- prefill/decode disaggregation -----------------------------------------------------------------------------
+@attrs.frozen
+class KVTransfer:
+    """A request one prefill/decode pair serves together: this node's ``role`` in it, the pair's ``comm_key``
+    (``"<prefill addr>__<decode addr>"``) and the router's ``transfer_id`` (``kv-comm-request-id``), which names
+    the request on both nodes."""
+
+    role: str  # "prefill" or "decode"
+    comm_key: str
+    transfer_id: int
+
+
+@attrs.frozen
+class KVSend:
+    """Prefill node, after the forward: send the prompt's K/V (``num_tokens`` positions in ``block_ids``, the last
+    block partial) and the sampled first token to the decode peer."""
+
+    request_id: str
+    comm_key: str
+    transfer_id: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@attrs.frozen
+class KVInstall:
+    """Decode node, before the forward: copy a received prompt's K/V into the request's ``block_ids``, but for the
+    first ``num_cached_tokens // block_size`` blocks, which this node's prefix cache already holds (and may share
+    with running requests)."""
+
+    request_id: str
+    transfer_id: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    num_cached_tokens: int = 0
+
+
+@attrs.frozen
+class KVArrived:
+    """A prompt's K/V and first token came from the prefill peer (held by the worker's connector until
+    installed)."""
+
+    transfer_id: int
+    first_token: int
+    num_tokens: int
+    logprob: float = 0.0  # the first token's
+
+
 @attrs.frozen
 class FreeRequestBlocks:
     """Finished or aborted requests whose blocks go back to the pool."""
@@ -209,6 +258,8 @@ class StepPlan:
     rows: tuple[ScheduledRow, ...]
     remote_loads: tuple[RemoteLoad, ...] = ()  # before the forward pass
     remote_saves: tuple[RemoteBlock, ...] = ()  # after it (the blocks this step fills)
+    kv_installs: tuple[KVInstall, ...] = ()  # before the forward pass: received prompts' K/V
+    kv_sends: tuple[KVSend, ...] = ()  # after it: prompts' K/V and first token to the decode peer
     # Some rows' token is ``PLACEHOLDER_TOKEN``: the worker takes it from what it sampled in the step before.
     has_placeholders: bool = False
 

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from ksana.messages import PLACEHOLDER_TOKEN
+from ksana.messages import PLACEHOLDER_TOKEN, KVTransfer
 from ksana.sampling_params import SamplingParams
 
 
@@ -50,6 +50,10 @@ class InferRequest:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_pending_tokens: int = 0
+    # Served by a prefill/decode pair: a prefill node computes the prompt and sends its K/V; a decode node waits
+    # for that K/V and its first token, installs them and decodes on.
+    kv_transfer: KVTransfer | None = None
+    kv_install_pending: bool = False  # decode node: the K/V arrived, the next step installs it
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,11 @@ A plan takes effect when it is sent (``commit``, vLLM v1's ``update_after_schedu
 tokens advance and each sampled row counts a pending token, so the next step can be planned before this one's
 result is back (async scheduling). The result only fills the pending tokens in and applies the stop rules. A plan
 made while a step is in flight never preempts: the scheduler then waits for the step, whose end may free blocks.
+
+Prefill/decode disaggregation (``InferRequest.kv_transfer``): on a prefill node a request's step that samples its
+first token also sends its prompt's K/V (``KVSend``); on a decode node a request waits outside the queues until its
+K/V has arrived (``kv_arrived``, in either order), then takes the first token as its first output and queues with
+the prompt counted as computed: its first step installs the K/V (``KVInstall``) and decodes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from ksana.cache.direct_cache_manager import num_blocks_for
 from ksana.config import BatchSchedulerSetting
 from ksana.messages import (
     BlockDemand,
+    KVArrived,
+    KVInstall,
+    KVSend,
     RemoteBlock,
     RemoteLoad,
     RequestDelta,
@@ -68,6 +76,8 @@ class SchedulerOutput:
     rejected: list[RequestDelta] = attrs.field(factory=list)
     remote_loads: tuple[RemoteLoad, ...] = ()
     remote_saves: tuple[RemoteBlock, ...] = ()
+    kv_installs: tuple[KVInstall, ...] = ()
+    kv_sends: tuple[KVSend, ...] = ()
     num_new_blocks: int = 0  # blocks the plan needs beyond what its requests hold (from the scheduler's mirror)
 
     @property
@@ -88,7 +98,7 @@ class BatchScheduler:
     """Waiting queue, running list and the step policy; the actor around it does the messaging."""
 
     def __init__(self, setting: BatchSchedulerSetting, block_size: int, num_total_blocks: int,
-                 max_token_len: int) -> None:
+                 max_token_len: int, kv_wait_s: float = 30.0) -> None:
         self.setting = setting
         self.block_size = block_size
         self.num_total_blocks = num_total_blocks
@@ -103,6 +113,11 @@ class BatchScheduler:
         self.enable_prefix_cache = setting.enable_auto_prefix_cache
         self._num_tokens_sent: dict[str, int] = {}  # tokens the cache manager has seen, per request
         self._remote_loaded: dict[str, int] = {}  # finished remote loads, reported with the next demand
+        # Decode node: requests waiting for their K/V by transfer id, and K/V that came before its request.
+        self.kv_wait_s = kv_wait_s
+        self.awaits_kv = False  # a decode node's (``build_scheduling`` sets it from the configuration)
+        self.awaiting_kv: dict[int, InferRequest] = {}
+        self._early_kv: dict[int, tuple[KVArrived, float]] = {}
         self.stats = SchedulerStats()
 
     # ---- arrivals and departures ------------------------------------------------------------------------------
@@ -125,16 +140,75 @@ class BatchScheduler:
         request.max_token_len = min(request.max_token_len, self.max_token_len)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        kv = request.kv_transfer
+        if kv is not None and kv.role == "decode":
+            early = self._early_kv.pop(kv.transfer_id, None)
+            if early is not None:
+                return self._take_first_token(request, early[0])
+            self.awaiting_kv[kv.transfer_id] = request
+            return None
         self.waiting.append(request)
         return None
+
+    def kv_arrived(self, msg: KVArrived, now: float) -> RequestDelta | None:
+        """A prompt's K/V and first token came (decode node): the first token's delta, once its request is here."""
+        request = self.awaiting_kv.pop(msg.transfer_id, None)
+        if request is None:
+            self._early_kv[msg.transfer_id] = (msg, now)
+            return None
+        return self._take_first_token(request, msg)
+
+    def expire_kv_waits(self, now: float) -> list[RequestDelta]:
+        """End the requests whose K/V has not come within ``kv_wait_s`` (they hold no blocks) and forget K/V no
+        request claimed."""
+        for tid in [tid for tid, (_, at) in self._early_kv.items() if now - at > self.kv_wait_s]:
+            del self._early_kv[tid]
+        deltas = []
+        for tid in [tid for tid, r in self.awaiting_kv.items() if now - r.arrival_time > self.kv_wait_s]:
+            request = self.awaiting_kv.pop(tid)
+            message = f"no KV cache came from the prefill node within {self.kv_wait_s:g} s"
+            logger.info("request %s ended: %s", request.request_id, message)
+            deltas.append(self._end_unscheduled(request, FinishReason.ERROR, message))
+        return deltas
+
+    def _take_first_token(self, request: InferRequest, msg: KVArrived) -> RequestDelta:
+        if msg.num_tokens != request.num_prompt_tokens:
+            return self._end_unscheduled(request, FinishReason.ERROR, (
+                f"the prefill node sent the KV cache of {msg.num_tokens} tokens for a prompt of "
+                f"{request.num_prompt_tokens}"))
+        request.token_ids.append(msg.first_token)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.kv_install_pending = True
+        reason = request.stop_reason_after(msg.first_token)
+        if reason is not None:
+            self.requests.pop(request.request_id)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            self.stats.num_finished += 1
+        else:
+            self.waiting.append(request)
+        return RequestDelta(request_id=request.request_id, new_token_ids=(msg.first_token,),
+                            new_logprobs=(msg.logprob,), new_top_logprobs=(None,),
+                            finish_reason=reason.value if reason is not None else None,
+                            num_prompt_tokens=request.num_prompt_tokens)
+
+    def _end_unscheduled(self, request: InferRequest, reason: FinishReason, error: str) -> RequestDelta:
+        self.requests.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.stats.num_rejected += 1
+        return _finished_delta(request, reason, error)
 
     def abort_request(self, request_id: str) -> InferRequest | None:
         """Remove a request wherever it is; returns it (its blocks must then be freed) or None if unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        kv = request.kv_transfer
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif kv is not None and self.awaiting_kv.get(kv.transfer_id) is request:
+            del self.awaiting_kv[kv.transfer_id]
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
@@ -217,8 +291,10 @@ class BatchScheduler:
         for s in out.scheduled:
             req = s.request
             rid = req.request_id
-            if req.num_computed_tokens == 0 and rid not in self.block_ids:
-                demands.append(BlockDemand(rid, s.num_new_tokens, tuple(req.token_ids), match_prefix=True,
+            if (req.num_computed_tokens == 0 or req.kv_install_pending) and rid not in self.block_ids:
+                # (a received prompt's blocks: matched too, so that the cached ones are not written again)
+                num_new = req.num_tokens if req.kv_install_pending else s.num_new_tokens
+                demands.append(BlockDemand(rid, num_new, tuple(req.token_ids), match_prefix=True,
                                            num_remote_loaded_blocks=self._remote_loaded.pop(rid, -1)))
             else:  # the tokens the manager has not seen; a pending one goes with a later demand
                 sent = self._num_tokens_sent.get(rid, 0)
@@ -253,6 +329,9 @@ class BatchScheduler:
         """A prefix hit: the request's computation starts after its matched tokens."""
         for s in out.scheduled:
             req = s.request
+            if req.request_id == request_id and req.kv_install_pending:
+                req.num_cached_tokens = num_cached  # the K/V came whole: the install skips the cached blocks
+                return
             if req.request_id == request_id:
                 req.num_computed_tokens = num_cached
                 if req.num_output_tokens == 0:
@@ -292,10 +371,27 @@ class BatchScheduler:
             ))
         return tuple(rows)
 
+    def kv_transfers(self, out: SchedulerOutput) -> None:
+        """The plan's K/V traffic, before ``commit``: installs of received prompts (decode node) and sends of
+        computed ones with their first token (prefill node)."""
+        installs, sends = [], []
+        for s in out.scheduled:
+            req, kv = s.request, s.request.kv_transfer
+            if kv is None:
+                continue
+            block_ids = self.block_ids[req.request_id]
+            if req.kv_install_pending:
+                installs.append(KVInstall(req.request_id, kv.transfer_id, block_ids, req.num_prompt_tokens,
+                                          req.num_cached_tokens))
+            elif kv.role == "prefill" and s.do_sample and req.num_output_tokens == 0:
+                sends.append(KVSend(req.request_id, kv.comm_key, kv.transfer_id, block_ids, req.num_prompt_tokens))
+        out.kv_installs, out.kv_sends = tuple(installs), tuple(sends)
+
     def commit(self, out: SchedulerOutput) -> None:
         """The plan is sent: its tokens count as computed, and each sampled row's token as pending."""
         for s in out.scheduled:
             req = s.request
+            req.kv_install_pending = False
             req.num_computed_tokens += s.num_new_tokens
             s.num_preemptions = req.num_preemptions
             if s.do_sample:
@@ -338,6 +434,7 @@ class BatchScheduler:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.kv_install_pending = False  # it recomputes its prompt, the received K/V is not needed
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)

@@ -11,12 +11,17 @@ next and the scheduler, the messages and the I/O run beside it. Every plan is or
 the worker's one thread, which is what makes this safe: blocks freed or reused by a later plan are written by
 the earlier step first. The pipeline falls back to one step in flight where a plan would need a preemption (only a
 step's end frees blocks) and while a step loads remote KV (its result decides the next plan).
+
+On a decode node (prefill/decode disaggregation) ``KVArrived`` hands a request its prompt's K/V and first token,
+and a timer ends the requests whose K/V does not come in time.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+
+import trio
 
 from ksana.events import Actor, handles
 from ksana.messages import (
@@ -26,6 +31,7 @@ from ksana.messages import (
     AllocateStepBlocks,
     ExecuteStep,
     FreeRequestBlocks,
+    KVArrived,
     RequestDelta,
     StepPlan,
     StepResult,
@@ -52,6 +58,25 @@ class SchedulerActor(Actor):
     def _tokens_out(self, deltas: tuple[RequestDelta, ...]) -> TokensOut:
         return TokensOut(deltas, time=self._now(), num_running=len(self.scheduler.running),
                          num_waiting=len(self.scheduler.waiting))
+
+    async def on_start(self) -> None:
+        if self.scheduler.awaits_kv:  # a decode node: its requests wait for their K/V, and may wait too long
+            self.start_soon(self._expire_kv_waits)
+
+    async def _expire_kv_waits(self) -> None:
+        """Every second: end the requests whose K/V is overdue (``BatchScheduler.expire_kv_waits``)."""
+        while True:
+            await trio.sleep(1.0)
+            deltas = self.scheduler.expire_kv_waits(self._now())
+            if deltas:
+                await self.send(self._tokens_out(tuple(deltas)))
+
+    @handles(KVArrived)
+    async def on_kv_arrived(self, msg: KVArrived) -> None:
+        delta = self.scheduler.kv_arrived(msg, self._now())
+        if delta is not None:
+            await self.send(self._tokens_out((delta,)))
+            await self._maybe_start_step()
 
     @handles(AddRequest)
     async def on_add(self, msg: AddRequest) -> None:
@@ -129,9 +154,10 @@ class SchedulerActor(Actor):
                 if not out.scheduled and not out.remote_loads:
                     continue
             has_placeholders = any(s.request.num_pending_tokens for s in out.scheduled)
+            self.scheduler.kv_transfers(out)
             plan = StepPlan(step_id=self._next_step_id, rows=self.scheduler.build_rows(out),
                             remote_loads=out.remote_loads, remote_saves=out.remote_saves,
-                            has_placeholders=has_placeholders)
+                            kv_installs=out.kv_installs, kv_sends=out.kv_sends, has_placeholders=has_placeholders)
             self.scheduler.commit(out)
             self._next_step_id += 1
             self._in_flight.append(out)

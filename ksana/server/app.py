@@ -21,6 +21,7 @@ from starlette.routing import Route
 from ksana.events import LoopStoppedError
 from ksana.server import generate_api, openai_api
 from ksana.server.context import ServerContext
+from ksana.server.disagg import KV_TRANSFER, kv_transfer_from_headers
 from ksana.server.metrics import CONTENT_TYPE
 from ksana.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, bad_request, parse_body
 from ksana.server.responses import ProducedResponse, ResponseWriter
@@ -44,6 +45,7 @@ def error_response(error: APIError) -> Response:
 def build_app(ctx: ServerContext) -> Starlette:
     def generation_route(handler: Handler):
         async def endpoint(request: Request) -> ProducedResponse:
+            KV_TRANSFER.set(kv_transfer_from_headers(request.headers, ctx.node_role))
             body = await request.body()
             return ProducedResponse(partial(handler, ctx, body))
 
@@ -55,6 +57,8 @@ def build_app(ctx: ServerContext) -> Starlette:
         return _ORJSONResponse({"status": "healthy"})
 
     async def metrics(request: Request) -> Response:
+        if ctx.kv_connector is not None:
+            ctx.metrics.set_kv_transfer_stats(ctx.kv_connector)
         try:
             await ctx.io.cache_stats()
         except LoopStoppedError:

@@ -17,6 +17,10 @@ _EXTRA_CONFIG_FLAGS = {
     "block_device_memory_ratio": float,
     "num_threads": int,
     "tensor_para_size": int,
+    "inference_addr": str,
+    "cluster_name": str,
+    "heartbeat_interval_ms": int,
+    "connector_waiting_sec": int,
 }
 
 
@@ -45,6 +49,10 @@ def add_serve_parser(subparsers) -> None:
                             f"(Linux; default {DEFAULT_LOOP_NICE}, 0 leaves it)")
     serve.add_argument("--stream-interval", type=parse_stream_interval, default=1, metavar="N",
                        help="send a stream's tokens N at a time (fewer events, less CPU per token; default 1)")
+    serve.add_argument("--role", choices=["none", "prefill", "decode"], dest="group_role",
+                       help="a node of a prefill/decode pair, registered with --router (default: standalone)")
+    serve.add_argument("--router", dest="router_addr", metavar="URL",
+                       help="the ksana router a prefill or decode node registers with")
     for name, kind in _EXTRA_CONFIG_FLAGS.items():
         serve.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     serve.set_defaults(func=_cmd_serve)
@@ -58,6 +66,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ksana.server.serve import ServeOptions, run
 
     overrides = config_overrides(args) | {name: getattr(args, name) for name in _EXTRA_CONFIG_FLAGS}
+    overrides |= {"group_role": args.group_role, "router_addr": args.router_addr}
     config = load_config(args.config, model_dir=args.model, device=args.device, **overrides)
     engine = InferenceEngine(config)
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,

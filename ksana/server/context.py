@@ -30,6 +30,8 @@ class ServerContext:
     skip_special_tokens: bool = True
     api_key: str | None = None
     stream_interval: int = 1  # tokens per streamed event (``ServeOptions.stream_interval``)
+    node_role: str = "none"  # prefill/decode disaggregation: "prefill" or "decode" (``server/disagg.py``)
+    kv_connector: Any = None  # a prefill or decode node's KV transport, for /metrics
     created: int = attrs.field(factory=lambda: int(time.time()))
     rng: random.Random = attrs.field(factory=random.Random)
     _counter: Any = attrs.field(factory=itertools.count)

@@ -19,6 +19,7 @@ from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams
 from ksana.server.beam_search import BeamSearchParams, beam_search
 from ksana.server.context import ServerContext
+from ksana.server.disagg import KV_TRANSFER, pair_params
 from ksana.server.io_actor import RequestGroup
 from ksana.server.protocol import APIError, bad_request, engine_error
 
@@ -110,9 +111,15 @@ class Generation:
     async def start(self) -> None:
         """Submit, and return once every request is admitted; raises ``APIError`` on a rejection."""
         if self.beam is not None:
+            kv = KV_TRANSFER.get()
+            if kv is not None:
+                pair_params(kv, self.params, len(self.choices), beam=True)
             await self._run_beam_search()
             return
         params = self.params
+        kv = KV_TRANSFER.get()
+        if kv is not None:
+            params = pair_params(kv, params, len(self.choices), beam=False)
         base_seed = params.seed if params.seed is not None else self.ctx.new_seed()
         requests = []
         for choice in self.choices:
@@ -127,6 +134,7 @@ class Generation:
                 sampling_params=params,
                 seed=base_seed + i,
                 eos_token_ids=self.ctx.eos_token_ids,
+                kv_transfer=kv,
             ))
         self._group = await self.ctx.io.submit(requests)
         while not all(c.seen for c in self.choices):

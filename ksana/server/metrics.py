@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import generate_latest
 
+from ksana.disagg.kv_connector import KVConnector
 from ksana.messages import CacheStats
 
 disable_created_metrics()  # the *_created series only double the scrape size
@@ -66,6 +67,28 @@ class ServerMetrics:
             "block_manager_used_block_num", "KV cache blocks held by requests", registry=r)
         self.block_manager_request_num = Gauge(
             "block_manager_request_num", "Requests holding KV cache blocks", registry=r)
+
+        # A prefill or decode node's KV transport (``ksana/disagg/kv_connector.py``), read at scrape time.
+        self.kv_transfer_pair_num = Gauge(
+            "kv_transfer_pair_num", "Prefill/decode pairs whose KV transport is connected", registry=r)
+        self.kv_transfer_sent_num = Gauge(
+            "kv_transfer_sent_num", "Prompts whose KV cache this prefill node sent", registry=r)
+        self.kv_transfer_sent_bytes = Gauge(
+            "kv_transfer_sent_bytes", "Bytes of KV cache this prefill node sent", registry=r)
+        self.kv_transfer_send_seconds = Gauge(
+            "kv_transfer_send_seconds", "Seconds this prefill node's sends took", registry=r)
+        self.kv_transfer_received_num = Gauge(
+            "kv_transfer_received_num", "Prompts whose KV cache this decode node received", registry=r)
+        self.kv_transfer_received_bytes = Gauge(
+            "kv_transfer_received_bytes", "Bytes of KV cache this decode node received", registry=r)
+
+    def set_kv_transfer_stats(self, connector: KVConnector) -> None:
+        self.kv_transfer_pair_num.set(sum(connector.is_connected(key) for key in list(connector.pairs)))
+        self.kv_transfer_sent_num.set(connector.num_sent)
+        self.kv_transfer_sent_bytes.set(connector.bytes_sent)
+        self.kv_transfer_send_seconds.set(connector.send_seconds)
+        self.kv_transfer_received_num.set(connector.num_received)
+        self.kv_transfer_received_bytes.set(connector.bytes_received)
 
     def set_cache_stats(self, stats: CacheStats) -> None:
         self.block_manager_total_block_num.set(stats.num_total_blocks)

@@ -50,6 +50,8 @@ def engine_error(message: str) -> APIError:
         return service_unavailable(message, code="queue_full")
     if "waiting_timeout" in message or "waited longer" in message:
         return service_unavailable(message, code="timeout")
+    if "KV cache" in message:  # prefill/decode: the prompt's K/V did not come, or not whole; another try may
+        return service_unavailable(message, code="kv_transfer_failed")
     if "prompt" in message:
         return bad_request(message, param="prompt", code="context_length_exceeded")
     return APIError(500, message, code="internal_error")

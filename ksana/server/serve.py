@@ -19,6 +19,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from ksana.disagg.kv_connector import KVConnector
+from ksana.disagg.node import NodeAgent
 from ksana.engine import InferenceEngine
 from ksana.server.app import build_app
 from ksana.server.context import ServerContext
@@ -53,6 +55,7 @@ class ServeOptions:
 
 
 def build_context(engine: InferenceEngine, options: ServeOptions) -> ServerContext:
+    """The handlers' context; a prefill or decode node also gets its KV transport on the engine's runner."""
     metrics = ServerMetrics()
     tokenization = engine.config.setting.tokenization
     return ServerContext(
@@ -68,6 +71,7 @@ def build_context(engine: InferenceEngine, options: ServeOptions) -> ServerConte
         skip_special_tokens=tokenization.skip_special_tokens,
         api_key=options.api_key,
         stream_interval=options.stream_interval,
+        node_role=engine.config.setting.connector.group_role,
     )
 
 
@@ -86,6 +90,8 @@ async def serve(engine: InferenceEngine, options: ServeOptions,
     config.keep_alive_timeout = options.keep_alive_timeout_s
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging setup, not a second handler
     stop = trio.Event()
+    agent = _node_agent(engine, options) if ctx.node_role != "none" else None
+    ctx.kv_connector = agent.connector if agent is not None else None
     loop = engine.build_loop(ctx.io)
     async with loop.running():
         if await lower_loop_priority(engine.forward_lane, options.loop_nice):
@@ -100,9 +106,26 @@ async def serve(engine: InferenceEngine, options: ServeOptions,
             binds = await nursery.start(run_http)
             url = binds[0] if binds else f"http://{config.bind[0]}"
             logger.info("serving %s at %s", ctx.served_model_name, url)
+            if agent is not None:
+                agent.inference_addr = agent.inference_addr or url.removeprefix("http://")
+                nursery.start_soon(agent.run)
             if on_ready is not None:
                 on_ready(ctx, url)
     logger.info("server stopped")
+
+
+def _node_agent(engine: InferenceEngine, options: ServeOptions) -> NodeAgent:
+    """A prefill or decode node's KV transport (on the engine's runner, before the loop starts its worker) and
+    its agent at the router (the address it registers is the served one unless configured)."""
+    connector_setting = engine.config.setting.connector
+    connector = KVConnector(connector_setting.group_role, host=options.host,
+                            expire_s=float(connector_setting.connector_waiting_sec))
+    engine.runner.kv_connector = connector
+    return NodeAgent(role=connector_setting.group_role, router_url=connector_setting.router_addr,
+                     inference_addr=connector_setting.inference_addr,
+                     cluster_name=connector_setting.cluster_name,
+                     heartbeat_interval_s=connector_setting.heartbeat_interval_ms / 1000,
+                     connector=connector, device_type=engine.device.type)
 
 
 async def _watch_signals(ctx: ServerContext, stop: trio.Event, cancel_scope: trio.CancelScope,

@@ -91,6 +91,35 @@ class KVCache:
             dst_v.copy_(src_v)
         return True
 
+    def gather_blocks(self, block_ids: tuple[int, ...], num_tokens: int) -> torch.Tensor:
+        """The K/V of a sequence's first ``num_tokens`` positions (whole blocks, the last one partial) as one byte
+        tensor: every layer's keys then values, each ``[blocks, block_size, num_kv_heads, head_dim]``. A copy, so
+        the blocks may be reused as soon as it returns."""
+        ids = self._block_index(block_ids, num_tokens)
+        parts = [t.index_select(0, ids).reshape(-1) for pair in self.layers for t in pair]
+        return torch.cat(parts).view(torch.uint8)
+
+    def scatter_blocks(self, block_ids: tuple[int, ...], num_tokens: int, payload: torch.Tensor,
+                       skip_blocks: int = 0) -> None:
+        """Write ``gather_blocks``' bytes (from a cache of the same shape and dtype) into ``block_ids``, but for the
+        first ``skip_blocks``."""
+        ids = self._block_index(block_ids, num_tokens)
+        k0 = self.layers[0][0]
+        values = payload.view(k0.dtype)
+        per_tensor = len(ids) * k0[0].numel()
+        if values.numel() != per_tensor * 2 * len(self.layers):
+            raise ValueError(f"KV payload of {payload.numel()} bytes does not fit {len(ids)} blocks of this cache")
+        chunks = values.split(per_tensor)
+        for i, tensor in enumerate(t for pair in self.layers for t in pair):
+            blocks = chunks[i].view(len(ids), *tensor.shape[1:])
+            tensor.index_copy_(0, ids[skip_blocks:], blocks[skip_blocks:])
+
+    def _block_index(self, block_ids: tuple[int, ...], num_tokens: int) -> torch.Tensor:
+        if self.swa_layers:
+            raise ValueError("moving a sequence's KV between nodes needs one block pool (no separate SWA pool)")
+        num_blocks = -(-num_tokens // self.block_size)
+        return torch.tensor(block_ids[:num_blocks], dtype=torch.int64, device=self.layers[0][0].device)
+
     @staticmethod
     def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block takes across all layers, keys and values."""

@@ -15,10 +15,14 @@ import numpy as np
 import torch
 
 from ksana.cache.remote_loading import RemoteKVStore
+from ksana.disagg.kv_connector import KVConnector
 from ksana.kernels.attention_metadata import AttentionMetadata
 from ksana.kernels.dispatch import get_ops
 from ksana.messages import (
     PLACEHOLDER_TOKEN,
+    KVArrived,
+    KVInstall,
+    KVSend,
     RemoteBlock,
     RemoteLoad,
     SampledToken,
@@ -38,6 +42,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.sampler = Sampler(get_ops(self.device).greedy_logprobs)
         self.remote_store: RemoteKVStore | None = None
+        self.kv_connector: KVConnector | None = None  # prefill/decode disaggregation: this node's KV transport
         # The token sampled for each row of the last step: a plan made while that step ran names them with
         # ``PLACEHOLDER_TOKEN``. Tensor-parallel ranks that do not sample are handed rank 0's.
         self.last_sampled: dict[str, int] = {}
@@ -45,7 +50,11 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
         started = time.monotonic()
         previous, self.last_sampled = self.last_sampled, {}
+        if plan.kv_installs:
+            self.install_kv(plan.kv_installs)
         sampled, timings = self._execute_rows(plan, previous) if plan.rows else ({}, StepTimings())
+        if plan.kv_sends:
+            self.send_kv(plan.kv_sends, sampled)
         if plan.remote_saves:
             self.save_remote_blocks(plan.remote_saves)
         self.last_sampled = {rid: token.token_id for rid, token in sampled.items()}
@@ -64,6 +73,22 @@ class ModelRunner:
                 num_loaded += 1
             result[load.request_id] = num_loaded
         return result
+
+    def install_kv(self, installs: tuple[KVInstall, ...]) -> None:
+        """Decode node: received prompts' K/V into their requests' blocks, before the forward reads them."""
+        for install in installs:
+            received = self.kv_connector.take(install.transfer_id)
+            self.kv_cache.scatter_blocks(install.block_ids, install.num_tokens, received.payload,
+                                         skip_blocks=install.num_cached_tokens // self.block_size)
+
+    def send_kv(self, sends: tuple[KVSend, ...], sampled: dict[str, SampledToken]) -> None:
+        """Prefill node: each prompt's K/V (copied out now, so its blocks can be freed) and first token, queued for
+        the decode peer."""
+        for send in sends:
+            token = sampled[send.request_id]
+            payload = self.kv_cache.gather_blocks(send.block_ids, send.num_tokens)
+            self.kv_connector.send(send.comm_key, KVArrived(send.transfer_id, token.token_id, send.num_tokens,
+                                                            token.logprob), payload)
 
     def save_remote_blocks(self, blocks: tuple[RemoteBlock, ...]) -> None:
         if self.remote_store is None:

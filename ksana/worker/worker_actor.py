@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 
 from ksana.events import Actor, BlockingLane, handles
 from ksana.events.lane import LaneCall
-from ksana.messages import ExecuteStep, SampledToken, StepPlan, StepResult, StepTimings
+from ksana.messages import ExecuteStep, KVArrived, SampledToken, StepPlan, StepResult, StepTimings
 from ksana.worker.model_runner import ModelRunner
 
 StepOutcome = tuple[dict[str, SampledToken], StepTimings, dict[str, int]]
@@ -32,6 +34,22 @@ class WorkerActor(Actor):
     async def on_start(self) -> None:
         self._steps_tx, steps_rx = trio.open_memory_channel[tuple[int, LaneCall[StepOutcome]]](float("inf"))
         self.start_soon(self._send_results, steps_rx)
+        connector = getattr(self.runner, "kv_connector", None)
+        if connector is not None and connector.role == "decode":
+            arrivals_tx, arrivals_rx = trio.open_memory_channel[KVArrived](float("inf"))
+            token = trio.lowlevel.current_trio_token()
+
+            def on_arrival(msg: KVArrived) -> None:  # on the connector's receiver thread
+                with contextlib.suppress(trio.RunFinishedError):
+                    trio.from_thread.run_sync(arrivals_tx.send_nowait, msg, trio_token=token)
+
+            connector.on_arrival = on_arrival
+            self.start_soon(self._forward_arrivals, arrivals_rx)
+
+    async def _forward_arrivals(self, arrivals_rx: trio.MemoryReceiveChannel[KVArrived]) -> None:
+        """Received prompts' K/V, reported to the scheduler (the K/V itself waits in the connector's inbox)."""
+        async for msg in arrivals_rx:
+            await self.send(msg)
 
     @handles(ExecuteStep)
     async def on_execute(self, msg: ExecuteStep) -> None:
@@ -60,5 +78,8 @@ class WorkerActor(Actor):
                     await call.done.wait()
 
     async def on_stop(self) -> None:
+        connector = getattr(self.runner, "kv_connector", None)
+        if connector is not None:
+            connector.on_arrival = None
         if self._owns_lane:
             self.lane.close()

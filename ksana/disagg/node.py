@@ -1,0 +1,79 @@
+"""A prefill or decode node's side of the router: register, heartbeat, and join the pairs the router makes.
+
+The router answers each heartbeat with the node's pairs (``comm_group_to_address``) and their comm ids
+(``comm_group_to_id``). A prefill node (rank 0 of its group) gives each of its pairs its KV store's address as
+comm id (``/RegisterCommId``) and joins it; a decode node joins each pair whose comm id is known. Joining is
+``KVConnector.connect``: the pair's process group forms on a thread once both nodes have joined. The router being
+away is logged and retried at the next heartbeat; the node keeps serving what it can.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import attrs
+import trio
+
+from ksana.disagg.kv_connector import KVConnector
+from ksana.router import client
+
+logger = logging.getLogger(__name__)
+# Each heartbeat is a request: httpx2 logs every one at INFO, which would bury the node's own log.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
+
+
+@attrs.define
+class NodeAgent:
+    role: str  # "prefill" or "decode"
+    router_url: str
+    inference_addr: str  # host:port the router sends requests to
+    cluster_name: str
+    heartbeat_interval_s: float
+    connector: KVConnector
+    device_type: str = "cpu"
+    node_id: str | None = None
+    comm_ids: dict[str, str] = attrs.field(factory=dict)  # pair -> comm id joined
+
+    def registration(self) -> dict[str, Any]:
+        """``/RegisterNode``'s body, KsanaLLM's fields (one rank, one device: tensor parallelism stays inside the
+        node)."""
+        host = self.inference_addr.rsplit(":", 1)[0]
+        return {"inference_addr": self.inference_addr, "cluster_name": self.cluster_name, "group_role": self.role,
+                "node_rank": 0, "hostname": socket.gethostname(), "coordinator_addr": self.inference_addr,
+                "world_size": 1, "devices": [{"device_id": 0, "device_type": self.device_type, "device_ip": host}],
+                "job_id": str(os.getpid()), "start_time": time.strftime("%Y-%m-%d %H:%M:%S"), "comm_id": "",
+                "node_id": self.node_id or ""}
+
+    async def run(self) -> None:
+        """Register (retrying while the router is away), then heartbeat until cancelled."""
+        while True:
+            try:
+                if self.node_id is None:
+                    answer = await client.register_node(self.router_url, self.registration())
+                    self.node_id = answer["node_id"]
+                    logger.info("registered with router %s as %s node %s", self.router_url, self.role, self.node_id)
+                await self.heartbeat()
+            except client.RouterError as exc:
+                logger.warning("router %s: %s", self.router_url, exc)
+                if exc.status == 404:
+                    self.node_id = None  # the router forgot this node (a new database): register again
+            except OSError as exc:
+                logger.warning("router %s unreachable: %s", self.router_url, exc)
+            await trio.sleep(self.heartbeat_interval_s)
+
+    async def heartbeat(self) -> None:
+        answer = await client.heartbeat(self.router_url, self.node_id)
+        comm_ids: dict[str, str] = answer.get("comm_group_to_id") or {}
+        for comm_key in answer.get("comm_group_to_address") or {}:
+            comm_id = comm_ids.get(comm_key) or ""
+            if self.role == "prefill" and not comm_id:
+                comm_id = self.connector.comm_id()
+                await client.register_comm_id(self.router_url, self.node_id, comm_key, comm_id)
+            if comm_id and self.comm_ids.get(comm_key) != comm_id:
+                logger.info("joining pair %s (comm id %s)", comm_key, comm_id)
+                self.connector.connect(comm_key, comm_id)
+                self.comm_ids[comm_key] = comm_id
