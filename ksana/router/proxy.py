@@ -17,7 +17,8 @@ The answer, once both nodes' response heads are in:
 The prefill node's response is read to its end in every case (a node may keep it open until its KV has gone out,
 and closing it would abort the request there), for at most ``prefill_drain_timeout_s`` after the client's response
 ends. A client that leaves closes both upstream requests, so both nodes abort. A node that fails mid-stream ends
-the client's stream with an error chunk in the stream's own form (``{"error": ...}\\0`` or an SSE ``data:`` event).
+the client's stream with an error chunk in the stream's own form (``{"error": ...}\\0``, or an SSE ``data:`` event and
+``data: [DONE]``).
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ class ProxyResponse:
         body = orjson.dumps(error.body())
         if content_type.startswith("text/event-stream"):
             cut = b"" if self._tail in (b"", b"\n\n") else b"\n\n"
-            await writer.write(cut + b"data: " + body + b"\n\n")
+            await writer.write(cut + b"data: " + body + b"\n\ndata: [DONE]\n\n")  # as the server ends one
         else:
             cut = b"" if self._tail in (b"",) or self._tail.endswith(DELIM) else DELIM
             await writer.write(cut + body + DELIM)

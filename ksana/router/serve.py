@@ -53,7 +53,7 @@ async def serve(options: RouterOptions, on_ready: Callable[[str], None] | None =
     """Serve until SIGINT/SIGTERM; ``on_ready(url)`` runs once the socket listens."""
     if options.policy not in POLICIES:
         raise ValueError(f"unknown policy {options.policy!r} (choose from {', '.join(POLICIES)})")
-    storage = Storage(options.db)
+    storage = await trio.to_thread.run_sync(Storage, options.db)  # connects and creates missing tables
     try:
         state = RouterState(storage, Registry(options.cluster_name, options.heartbeat_timeout_s))
         await state.load()
