@@ -1,6 +1,7 @@
 """The ``ksana`` command: ``demo-model`` (write the tiny test model) and ``generate`` (offline) live here; ``serve``
-and ``bench serve`` come from ``ksana.server.cli``; perf mode and the simulator plug theirs in through the
-``ksana.commands`` entry points (``pyproject.toml``), so the engine never imports the layers built on it.
+and ``bench serve`` come from ``ksana.server.cli``, ``router`` from ``ksana.router.cli``; perf mode and the
+simulator plug theirs in through the ``ksana.commands`` entry points (``pyproject.toml``), so the engine never
+imports the layers built on it.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.set_defaults(func=_cmd_generate)
 
+    from ksana.router.cli import add_router_parser
     from ksana.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_router_parser(sub)
     for command in sorted(entry_points(group="ksana.commands"), key=lambda point: point.name):
         command.load()(sub)
     return parser

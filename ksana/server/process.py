@@ -18,18 +18,21 @@ from pathlib import Path
 class ServeProcess:
     """``python -m ksana.cli serve --port 0 <args>``; ``url`` is set by ``wait_ready``."""
 
+    COMMAND = "serve"  # the ``ksana`` subcommand; it prints "... at http://HOST:PORT" once it listens
+
     def __init__(self, *args: str, startup_timeout_s: float = 90.0) -> None:
         self.startup_timeout_s = startup_timeout_s
-        self.log = tempfile.NamedTemporaryFile(prefix="ksana-serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix=f"ksana-{self.COMMAND}-", suffix=".log", delete=False)
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.pop("KSANA_API_KEY", None)  # a key in the caller's shell must not leak into these servers
-        self.proc = subprocess.Popen(
-            # -P: the working directory stays off sys.path, so a checkout's top-level folders (``kernels/``) cannot
-            # shadow installed distributions of the same name (Hugging Face's ``kernels``, which transformers imports)
-            [sys.executable, "-P", "-m", "ksana.cli", "--log-level", "WARNING", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-        )
+        self.proc = subprocess.Popen(self.command(*args), stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
         self.url = ""
+
+    def command(self, *args: str) -> list[str]:
+        # -P: the working directory stays off sys.path, so a checkout's top-level folders (``kernels/``) cannot
+        # shadow installed distributions of the same name (Hugging Face's ``kernels``, which transformers imports)
+        return [sys.executable, "-P", "-m", "ksana.cli", "--log-level", "WARNING", self.COMMAND, "--port", "0", *args]
 
     def wait_ready(self) -> ServeProcess:
         if not self.url:
@@ -44,7 +47,7 @@ class ServeProcess:
         text = line[0] if line else ""
         if " at http://" not in text:
             self.proc.kill()
-            raise RuntimeError(f"ksana serve did not start (printed {text!r}):\n{self.logs()}")
+            raise RuntimeError(f"ksana {self.COMMAND} did not start (printed {text!r}):\n{self.logs()}")
         return text.rsplit(" at ", 1)[1].strip()
 
     def logs(self) -> str:
