@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import time
-from typing import Any
 
 import attrs
 import trio
@@ -38,15 +37,14 @@ class NodeAgent:
     node_id: str | None = None
     comm_ids: dict[str, str] = attrs.field(factory=dict)  # pair -> comm id joined
 
-    def registration(self) -> dict[str, Any]:
-        """``/RegisterNode``'s body, KsanaLLM's fields (one rank, one device: tensor parallelism stays inside the
-        node)."""
+    def registration(self) -> client.NodeRegistration:
+        """``/RegisterNode``'s body: one rank with one device (a node's tensor parallelism is not supported)."""
         host = self.inference_addr.rsplit(":", 1)[0]
-        return {"inference_addr": self.inference_addr, "cluster_name": self.cluster_name, "group_role": self.role,
-                "node_rank": 0, "hostname": socket.gethostname(), "coordinator_addr": self.inference_addr,
-                "world_size": 1, "devices": [{"device_id": 0, "device_type": self.device_type, "device_ip": host}],
-                "job_id": str(os.getpid()), "start_time": time.strftime("%Y-%m-%d %H:%M:%S"), "comm_id": "",
-                "node_id": self.node_id or ""}
+        return client.NodeRegistration(
+            inference_addr=self.inference_addr, group_role=self.role, world_size=1,
+            devices=(client.Device(0, self.device_type, host),), cluster_name=self.cluster_name,
+            hostname=socket.gethostname(), coordinator_addr=self.inference_addr, job_id=str(os.getpid()),
+            start_time=time.strftime("%Y-%m-%d %H:%M:%S"), node_id=self.node_id)
 
     async def run(self) -> None:
         """Register (retrying while the router is away), then heartbeat until cancelled."""
@@ -61,8 +59,6 @@ class NodeAgent:
                 logger.warning("router %s: %s", self.router_url, exc)
                 if exc.status == 404:
                     self.node_id = None  # the router forgot this node (a new database): register again
-            except OSError as exc:
-                logger.warning("router %s unreachable: %s", self.router_url, exc)
             await trio.sleep(self.heartbeat_interval_s)
 
     async def heartbeat(self) -> None:

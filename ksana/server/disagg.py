@@ -16,17 +16,16 @@ from contextvars import ContextVar
 import attrs
 
 from ksana.messages import KVTransfer
+from ksana.router.protocol import KV_COMM_GROUP_KEY, KV_COMM_REQUEST_ID, split_comm_key
 from ksana.sampling_params import SamplingParams
 from ksana.server.protocol import bad_request
 
-GROUP_KEY_HEADER = "kv-comm-group-key"
-REQUEST_ID_HEADER = "kv-comm-request-id"
 KV_TRANSFER: ContextVar[KVTransfer | None] = ContextVar("kv_transfer", default=None)
 
 
 def kv_transfer_from_headers(headers: Mapping[str, str], role: str) -> KVTransfer | None:
     """The request's pair and id on a prefill or decode node; None for a standalone request."""
-    key, request_id = headers.get(GROUP_KEY_HEADER), headers.get(REQUEST_ID_HEADER)
+    key, request_id = headers.get(KV_COMM_GROUP_KEY), headers.get(KV_COMM_REQUEST_ID)
     if role == "none" or key is None or request_id is None:
         return None
     try:
@@ -34,9 +33,9 @@ def kv_transfer_from_headers(headers: Mapping[str, str], role: str) -> KVTransfe
     except ValueError:
         transfer_id = -1
     if not 0 < transfer_id < 2**31:
-        raise bad_request(f"header {REQUEST_ID_HEADER} must be an integer in [1, 2^31), got {request_id!r}")
-    if "__" not in key:
-        raise bad_request(f"header {GROUP_KEY_HEADER} must be '<prefill addr>__<decode addr>', got {key!r}")
+        raise bad_request(f"header {KV_COMM_REQUEST_ID} must be an integer in [1, 2^31), got {request_id!r}")
+    if split_comm_key(key) is None:
+        raise bad_request(f"header {KV_COMM_GROUP_KEY} must be '<prefill addr>__<decode addr>', got {key!r}")
     return KVTransfer(role=role, comm_key=key, transfer_id=transfer_id)
 
 
