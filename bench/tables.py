@@ -159,6 +159,17 @@ def simulator_speed_rows(report: dict[str, Any]) -> Iterator[Row]:
            *_at_most(per_10000, report["target_s_for_10000"], f"{report['target_s_for_10000']:g} s"))
 
 
+def pd_serving_rows(report: dict[str, Any]) -> Iterator[Row]:
+    w, a, b = report["workload"], report["standalone"], report["disaggregated"]
+    figure = (f"router + prefill/decode pair vs standalone, `{report['model']}`, {w['num']} requests at "
+              f"{w['rate']:g}/s: TTFT p50, TPOT p50, output tok/s")
+    yield (figure, f"{b['median_ttft_ms']:.0f} vs {a['median_ttft_ms']:.0f} ms, {b['median_tpot_ms']:.1f} vs "
+                   f"{a['median_tpot_ms']:.1f} ms, {b['output_throughput']:.1f} vs {a['output_throughput']:.1f}", "", "")
+    t = report["kv_transfer"]
+    yield ("KV transfer per request (gloo over loopback)",
+           f"{t['bytes_per_request'] / 2**20:.2f} MiB in {t['ms_per_request']:.1f} ms", "", "")
+
+
 # Benchmark name (the file name's prefix) -> the script that writes it and its rows, in the tables' order.
 BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "throughput": ("throughput.py", throughput_rows),
@@ -169,6 +180,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "kernels": ("kernel_ops.py", kernels_rows),
     "simulator_validation": ("simulator_validation.py", simulator_rows),
     "simulator_speed": ("simulator_speed.py", simulator_speed_rows),
+    "pd_serving": ("pd_serving.py", pd_serving_rows),
 }
 
 

@@ -8,7 +8,6 @@ with the same settings and the server's own KV pool size, and sets the two side 
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any
@@ -89,26 +88,17 @@ def profile_model(model: str, config_path: str | None, overrides: dict[str, Any]
 
 def measure(model: str, flags: list[str], trace: Path, seed: int) -> tuple[dict[str, Any], int]:
     """Serve the model, replay the trace with the load generator; its summary and the server's KV pool size."""
-    import trio
+    import httpx2
     from prometheus_client.parser import text_string_to_metric_families
 
-    from ksana.bench import serve as load_generator
+    from ksana.bench.serve import replay_trace
     from ksana.server.process import ServeProcess
 
     with ServeProcess("--model", model, *flags, startup_timeout_s=600) as server:
-        import httpx2
-
         metrics = httpx2.get(server.url + "/metrics", timeout=30).text
         num_blocks = next(int(s.value) for family in text_string_to_metric_families(metrics)
                           for s in family.samples if s.name == "block_manager_total_block_num")
-        parser = argparse.ArgumentParser()
-        load_generator.add_arguments(parser)
-        args = parser.parse_args(["--base-url", server.url, "--trace", str(trace), "--seed", str(seed),
-                                  "--metric-percentiles", ",".join(str(p) for p in PERCENTILES)])
-        info = load_generator.server_info(args)
-        requests = load_generator.trace_requests(trace, info.get("vocab_size") or 1000, seed)
-        results, duration = trio.run(load_generator.benchmark, args, requests, info["id"])
-        return load_generator.summarize(args, requests, results, duration, info["id"]), num_blocks
+        return replay_trace(server.url, trace, seed, tuple(PERCENTILES)), num_blocks
 
 
 def validate(model: str, trace: str | Path, profile: str | Path | None, config_path: str | None,

@@ -426,6 +426,21 @@ def server_info(args: argparse.Namespace) -> dict[str, Any]:
     return response.json()["data"][0]
 
 
+def replay_trace(base_url: str, trace: Path, seed: int = 0,
+                 percentiles: tuple[float, ...] = (90.0, 99.0)) -> dict[str, Any]:
+    """Replay a trace against a running server, as ``ksana bench serve --trace`` does; its summary."""
+    import trio
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--base-url", base_url, "--trace", str(trace), "--seed", str(seed),
+                              "--metric-percentiles", ",".join(str(p) for p in percentiles)])
+    info = server_info(args)
+    requests = trace_requests(trace, info.get("vocab_size") or 1000, seed)
+    results, duration = trio.run(benchmark, args, requests, info["id"])
+    return summarize(args, requests, results, duration, info["id"])
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
