@@ -189,9 +189,9 @@ class InferenceEngine:
                                              store_namespace(self.model_dir, layout.block_size, self.dtype))
             self.runner.remote_store = remote_store
         role = config.setting.connector.group_role
-        if role != "none" and (self.tp_runner is not None or layout.num_swa_blocks):
+        if role != "none" and layout.num_swa_blocks:
             raise ConfigError("config key 'setting.connector.group_role': prefill/decode disaggregation is not "
-                              "implemented with tensor parallelism or a separate sliding-window KV pool")
+                              "implemented with a separate sliding-window KV pool")
         self.scheduler, self.cache_manager = build_scheduling(config, layout, remote_store)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, self.shape)
         # Every forward of the engine's life on one thread, across loops (each generate, a server's life): one

@@ -3,7 +3,8 @@
 The router answers each heartbeat with the node's pairs (``comm_group_to_address``) and their comm ids
 (``comm_group_to_id``). A prefill node (rank 0 of its group) gives each of its pairs its KV store's address as
 comm id (``/RegisterCommId``) and joins it; a decode node joins each pair whose comm id is known. Joining is
-``KVConnector.connect``: the pair's process group forms on a thread once both nodes have joined. The router being
+``KVConnector.connect`` on every tensor-parallel rank of the node (``join``): the pair's process group forms on a
+thread once both nodes have joined. The router being
 away is logged and retried at the next heartbeat; the node keeps serving what it can.
 """
 
@@ -13,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
@@ -32,17 +34,20 @@ class NodeAgent:
     inference_addr: str  # host:port the router sends requests to
     cluster_name: str
     heartbeat_interval_s: float
-    connector: KVConnector
+    connector: KVConnector  # rank 0's
+    join: Callable[[str, str], Awaitable[None]]  # (comm key, comm id): every rank of this node joins the pair
+    num_devices: int = 1  # tensor-parallel ranks
     device_type: str = "cpu"
     node_id: str | None = None
     comm_ids: dict[str, str] = attrs.field(factory=dict)  # pair -> comm id joined
 
     def registration(self) -> client.NodeRegistration:
-        """``/RegisterNode``'s body: one rank with one device (a node's tensor parallelism is not supported)."""
+        """``/RegisterNode``'s body: one node (rank 0) holding every device of its tensor-parallel group."""
         host = self.inference_addr.rsplit(":", 1)[0]
         return client.NodeRegistration(
-            inference_addr=self.inference_addr, group_role=self.role, world_size=1,
-            devices=(client.Device(0, self.device_type, host),), cluster_name=self.cluster_name,
+            inference_addr=self.inference_addr, group_role=self.role, world_size=self.num_devices,
+            devices=tuple(client.Device(i, self.device_type, host) for i in range(self.num_devices)),
+            cluster_name=self.cluster_name,
             hostname=socket.gethostname(), coordinator_addr=self.inference_addr, job_id=str(os.getpid()),
             start_time=time.strftime("%Y-%m-%d %H:%M:%S"), node_id=self.node_id)
 
@@ -71,5 +76,5 @@ class NodeAgent:
                 await client.register_comm_id(self.router_url, self.node_id, comm_key, comm_id)
             if comm_id and self.comm_ids.get(comm_key) != comm_id:
                 logger.info("joining pair %s (comm id %s)", comm_key, comm_id)
-                self.connector.connect(comm_key, comm_id)
+                await self.join(comm_key, comm_id)
                 self.comm_ids[comm_key] = comm_id

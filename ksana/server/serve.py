@@ -118,14 +118,23 @@ def _node_agent(engine: InferenceEngine, options: ServeOptions) -> NodeAgent:
     """A prefill or decode node's KV transport (on the engine's runner, before the loop starts its worker) and
     its agent at the router (the address it registers is the served one unless configured)."""
     connector_setting = engine.config.setting.connector
+    tp_size = engine.config.setting.global_.tensor_para_size
     connector = KVConnector(connector_setting.group_role, host=options.host,
-                            expire_s=float(connector_setting.connector_waiting_sec))
+                            expire_s=float(connector_setting.connector_waiting_sec), tp_size=tp_size)
     engine.runner.kv_connector = connector
+    tp_runner = engine.tp_runner
+
+    async def join(comm_key: str, comm_id: str) -> None:
+        if tp_runner is None:
+            connector.connect(comm_key, comm_id)
+        else:  # every rank, on the forward's thread: its broadcasts are ordered with the steps'
+            await engine.forward_lane.run(tp_runner.join_pair, comm_key, comm_id)
+
     return NodeAgent(role=connector_setting.group_role, router_url=connector_setting.router_addr,
                      inference_addr=connector_setting.inference_addr,
                      cluster_name=connector_setting.cluster_name,
                      heartbeat_interval_s=connector_setting.heartbeat_interval_ms / 1000,
-                     connector=connector, device_type=engine.device.type)
+                     connector=connector, join=join, num_devices=tp_size, device_type=engine.device.type)
 
 
 async def _watch_signals(ctx: ServerContext, stop: trio.Event, cancel_scope: trio.CancelScope,

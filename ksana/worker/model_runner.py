@@ -77,7 +77,8 @@ class ModelRunner:
     def install_kv(self, installs: tuple[KVInstall, ...]) -> None:
         """Decode node: received prompts' K/V into their requests' blocks, before the forward reads them."""
         for install in installs:
-            received = self.kv_connector.take(install.transfer_id)
+            # Rank 0 was told of the arrival, so its share is here; another rank's comes at about the same time.
+            received = self.kv_connector.take(install.transfer_id, wait_s=self.kv_connector.expire_s)
             self.kv_cache.scatter_blocks(install.block_ids, install.num_tokens, received.payload,
                                          skip_blocks=install.num_cached_tokens // self.block_size)
 
@@ -85,10 +86,11 @@ class ModelRunner:
         """Prefill node: each prompt's K/V (copied out now, so its blocks can be freed) and first token, queued for
         the decode peer."""
         for send in sends:
-            token = sampled[send.request_id]
+            token = sampled.get(send.request_id)  # (a tensor-parallel rank other than 0 samples nothing)
+            first_token, logprob = (token.token_id, token.logprob) if token is not None else (-1, 0.0)
             payload = self.kv_cache.gather_blocks(send.block_ids, send.num_tokens)
-            self.kv_connector.send(send.comm_key, KVArrived(send.transfer_id, token.token_id, send.num_tokens,
-                                                            token.logprob), payload)
+            self.kv_connector.send(send.comm_key, KVArrived(send.transfer_id, first_token, send.num_tokens, logprob),
+                                   payload)
 
     def save_remote_blocks(self, blocks: tuple[RemoteBlock, ...]) -> None:
         if self.remote_store is None:

@@ -5,8 +5,8 @@ Placed by the standard torch.distributed environment (``MASTER_ADDR``, ``MASTER_
 launch of any ``ksana`` command (ranks > 0 end up here), or ksana itself spawning ranks on one machine
 (``KSANA_TP_LOOPBACK=1``: the store is rank 0's, on loopback).
 
-Rank 0 drives: it broadcasts the load setup, the KV pool size, then ``(plan, layer_forward_round)`` per step and
-``None`` to stop. A rank that fails writes its error to the store under ``ksana/tp/error/<rank>`` and exits;
+Rank 0 drives: it broadcasts the load setup, the KV pool size, then ``(plan, layer_forward_round)`` per step (and
+a ``KVPairJoin`` when a prefill or decode node joins a pair) and ``None`` to stop. A rank that fails writes its error to the store under ``ksana/tp/error/<rank>`` and exits;
 its closed sockets make rank 0's pending collective fail at once, and rank 0 names the rank from the store.
 """
 
@@ -49,6 +49,18 @@ class KVSetup:
     block_size: int
 
 
+@attrs.frozen
+class KVPairJoin:
+    """Prefill/decode disaggregation: join a pair's KV transport (each rank sends or receives its own KV heads);
+    the first one also gives the rank its connector."""
+
+    role: str
+    host: str
+    expire_s: float
+    comm_key: str
+    comm_id: str
+
+
 def rank_device(device_type: str, rank: int) -> torch.device:
     if device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
@@ -75,9 +87,13 @@ def _fail_step(rank: int) -> int | None:
 
 def run_rank(group: TPGroup) -> None:
     """Serve rank 0's broadcasts until it says stop; on any error, report it to the store and re-raise."""
+    from ksana.disagg.kv_connector import KVConnector
     from ksana.models.registry import load_model
     from ksana.worker.kv_cache import KVCache
     from ksana.worker.model_runner import ModelRunner
+
+    # The class as rank 0 pickles it (this module may be running as ``__main__``, a module of another name).
+    from ksana.worker.tp_rank import KVPairJoin as PairJoin
 
     class _RankRunner(ModelRunner):
         def sample(self, logits, rows, previous=None):  # rank 0 samples; the others only take part in the collectives
@@ -97,6 +113,12 @@ def run_rank(group: TPGroup) -> None:
         runner = _RankRunner(model, kv_cache, group.device)
         fail_at, num_steps = _fail_step(rank), 0
         while (message := group.broadcast_object()) is not None:
+            if isinstance(message, PairJoin):
+                if runner.kv_connector is None:
+                    runner.kv_connector = KVConnector(message.role, message.host, message.expire_s, tp_rank=rank,
+                                                      tp_size=group.world_size)
+                runner.kv_connector.connect(message.comm_key, message.comm_id)
+                continue
             plan, layer_forward_round, runner.last_sampled = message
             num_steps += 1
             if num_steps == fail_at:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ksana.disagg.kv_connector import KVConnector
 from ksana.messages import SampledToken, StepPlan, StepTimings
 from ksana.models.parallel import CollectiveError, TPGroup, check_tp_size
 from ksana.models.shape import ModelShape
@@ -37,6 +38,7 @@ from ksana.worker.tp_rank import (
     DEFAULT_TIMEOUT_S,
     ERROR_KEY,
     PARAM_BYTES_KEY,
+    KVPairJoin,
     KVSetup,
     RankSetup,
     group_from_env,
@@ -163,6 +165,25 @@ class TPModelRunner:
     @property
     def kv_cache(self) -> KVCache:
         return self.local.kv_cache
+
+    @property
+    def kv_connector(self) -> KVConnector | None:
+        return self.local.kv_connector
+
+    @kv_connector.setter
+    def kv_connector(self, connector: KVConnector | None) -> None:
+        self.local.kv_connector = connector
+
+    def join_pair(self, comm_key: str, comm_id: str) -> None:
+        """Every rank joins the pair's KV transport (on the forward's thread, ordered with the steps' broadcasts)."""
+        connector = self.local.kv_connector
+        try:
+            self.group.broadcast_object(KVPairJoin(connector.role, connector.host, connector.expire_s, comm_key,
+                                                   comm_id))
+        except BaseException as exc:
+            self._fail(exc)
+            raise self.failure from exc
+        connector.connect(comm_key, comm_id)
 
     @property
     def world_size(self) -> int:
