@@ -69,7 +69,11 @@ class NodeAgent:
     async def heartbeat(self) -> None:
         answer = await client.heartbeat(self.router_url, self.node_id)
         comm_ids: dict[str, str] = answer.get("comm_group_to_id") or {}
-        for comm_key in answer.get("comm_group_to_address") or {}:
+        for comm_key, devices in (answer.get("comm_group_to_address") or {}).items():
+            if len(devices) != 2 * self.num_devices:
+                logger.warning("pair %s is not joined: it has %d devices, and both nodes of a pair need this "
+                               "node's tensor-parallel size (%d)", comm_key, len(devices), self.num_devices)
+                continue
             comm_id = comm_ids.get(comm_key) or ""
             if self.role == "prefill" and not comm_id:
                 comm_id = self.connector.comm_id()
