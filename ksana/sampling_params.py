@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import attrs
 
+# vLLM bounds seeds to the signed 64-bit range; the sampler itself would take any integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the parameter."""
@@ -46,6 +49,8 @@ class SamplingParams:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
+        _check(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
+               f"must be in [-2^63, 2^63 - 1] (a signed 64-bit integer), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:

@@ -22,7 +22,14 @@ from ksana.events import LoopStoppedError
 from ksana.server import generate_api, openai_api
 from ksana.server.context import ServerContext
 from ksana.server.metrics import CONTENT_TYPE
-from ksana.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, bad_request, parse_body
+from ksana.server.protocol import (
+    APIError,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    check_content_type,
+    parse_body,
+)
 from ksana.server.responses import ProducedResponse, ResponseWriter
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,7 @@ def error_response(error: APIError) -> Response:
 def build_app(ctx: ServerContext) -> Starlette:
     def generation_route(handler: Handler):
         async def endpoint(request: Request) -> ProducedResponse:
+            check_content_type(request.headers.get("content-type"))
             body = await request.body()
             return ProducedResponse(partial(handler, ctx, body))
 
@@ -70,6 +78,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         return _ORJSONResponse(openai_api.model_card(ctx))
 
     async def tokenize(request: Request) -> Response:
+        check_content_type(request.headers.get("content-type"))
         req: TokenizeRequest = parse_body(await request.body(), TokenizeRequest)
         ctx.check_model(req.model)
         if req.messages is not None:
@@ -81,6 +90,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         return _ORJSONResponse({"count": len(tokens), "max_model_len": ctx.max_token_len, "tokens": tokens})
 
     async def detokenize(request: Request) -> Response:
+        check_content_type(request.headers.get("content-type"))
         req: DetokenizeRequest = parse_body(await request.body(), DetokenizeRequest)
         ctx.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)

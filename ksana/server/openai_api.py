@@ -144,19 +144,30 @@ def _completion_logprobs(ctx: ServerContext, tokens: list[TokenInfo], offset: in
     return out, offset
 
 
+def _check_request(ctx: ServerContext, req: OpenAISampling) -> None:
+    """What both OpenAI routes check before the prompt is read."""
+    ctx.check_model(req.model)
+    req.check_stream_options()
+    ctx.check_stop_token_ids(req.stop_token_ids)
+
+
 async def completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -> None:
     req: CompletionRequest = parse_body(body, CompletionRequest)
-    ctx.check_model(req.model)
+    _check_request(ctx, req)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (or be left out)", param="best_of")
     _check_logprobs(req.logprobs, "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute",
-                          param="echo")
     prompts, prompt_texts = _completion_prompts(ctx, req.prompt)
-    params = make_sampling_params(**req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=req.logprobs)
+    if "max_tokens" in req.model_fields_set:
+        max_tokens = req.max_tokens
+        for prompt in prompts:
+            ctx.check_max_tokens(len(prompt), max_tokens, "max_tokens")
+    else:  # OpenAI's 16, or the model's default where that is lower (vLLM takes the smaller)
+        max_tokens = min(req.max_tokens, ctx.default_sampling.get("max_tokens", req.max_tokens))
+    params = make_sampling_params(**req.sampling_kwargs(ctx.default_sampling), max_tokens=max_tokens,
+                                  logprobs=req.logprobs)
     gen = Generation(ctx, ctx.new_id("cmpl"), prompts, params, _beam_params(ctx, req, params, req.max_tokens))
     head = {"id": gen.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.served_model_name}
     echo = [(text if text is not None else ctx.decode(ids)) if req.echo else "" for ids, text in
@@ -207,15 +218,23 @@ def _chat_logprobs(ctx: ServerContext, tokens: list[TokenInfo], as_ids: bool) ->
 
 async def chat_completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -> None:
     req: ChatCompletionRequest = parse_body(body, ChatCompletionRequest)
-    ctx.check_model(req.model)
+    _check_request(ctx, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     _check_logprobs(req.top_logprobs, "top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     prompt = ctx.check_prompt(
         ctx.apply_chat_template(req.messages, req.add_generation_prompt, req.chat_template_kwargs), param="messages")
+    if req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+        ctx.check_max_tokens(len(prompt), max_tokens, "max_completion_tokens")
+    elif req.max_tokens is not None:
+        max_tokens = req.max_tokens
+        ctx.check_max_tokens(len(prompt), max_tokens, "max_tokens")
+    else:  # the model's default, else as many as the context holds
+        max_tokens = ctx.default_sampling.get("max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(**req.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+    params = make_sampling_params(**req.sampling_kwargs(ctx.default_sampling), max_tokens=max_tokens,
+                                  logprobs=logprobs)
     gen = Generation(ctx, ctx.new_id("chatcmpl"), [prompt], params, _beam_params(ctx, req, params, max_tokens))
     head = {"id": gen.request_id, "created": ctx.created, "model": ctx.served_model_name}
 
