@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 
+from ksana.messages import PromptLogprobs
 from ksana.sampling_params import SamplingParams
 from ksana.server.beam_search import BeamSearchParams
 from ksana.server.context import ServerContext
-from ksana.server.generation import ChoiceDelta, Generation, TokenInfo
+from ksana.server.generation import Choice, ChoiceDelta, Generation, TokenInfo
 from ksana.server.io_actor import ServerShuttingDown
 from ksana.server.protocol import (
     MAX_LOGPROBS,
@@ -127,6 +128,29 @@ def _completion_prompts(ctx: ServerContext, prompt) -> tuple[list[list[int]], li
     return token_lists, texts
 
 
+def _prompt_logprobs(ctx: ServerContext, prompt: list[int], logprobs: PromptLogprobs,
+                     as_ids: bool) -> dict[str, Any]:
+    """The legacy logprobs object of an echoed prompt: its first token has no logprob (``null``, as its top)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
+    offset = 0
+    for token_id in prompt:
+        out["tokens"].append(ctx.token_text(token_id, as_ids))
+        out["text_offset"].append(offset)
+        offset += len(ctx.token_text(token_id)) if ctx.tokenizer is not None else 0
+    for i, (logprob, top) in enumerate(zip(logprobs.logprobs, logprobs.top_logprobs, strict=True)):
+        text = out["tokens"][logprobs.first_index + i]
+        out["token_logprobs"].append(logprob)
+        entry = {text: logprob}
+        for token_id, top_logprob in top:
+            entry.setdefault(ctx.token_text(token_id, as_ids), top_logprob)
+        out["top_logprobs"].append(entry)
+    return out
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    return {key: first[key] + then[key] for key in first} if then is not None else first
+
+
 def _completion_logprobs(ctx: ServerContext, tokens: list[TokenInfo], offset: int,
                          as_ids: bool) -> tuple[dict[str, Any], int]:
     """OpenAI's legacy logprobs object for these tokens, and the text offset after them."""
@@ -166,8 +190,12 @@ async def completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -
             ctx.check_max_tokens(len(prompt), max_tokens, "max_tokens")
     else:  # OpenAI's 16, or the model's default where that is lower (vLLM takes the smaller)
         max_tokens = min(req.max_tokens, ctx.default_sampling.get("max_tokens", req.max_tokens))
+    # echo with logprobs: the prompt's tokens get logprobs too, with as many top alternatives.
+    echo_logprobs = req.echo and req.logprobs is not None
+    if echo_logprobs and req.use_beam_search:
+        raise bad_request("echo with logprobs is not supported with beam search", param="echo")
     params = make_sampling_params(**req.sampling_kwargs(ctx.default_sampling), max_tokens=max_tokens,
-                                  logprobs=req.logprobs)
+                                  logprobs=req.logprobs, prompt_logprobs=req.logprobs if echo_logprobs else None)
     gen = Generation(ctx, ctx.new_id("cmpl"), prompts, params, _beam_params(ctx, req, params, req.max_tokens))
     head = {"id": gen.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.served_model_name}
     echo = [(text if text is not None else ctx.decode(ids)) if req.echo else "" for ids, text in
@@ -180,16 +208,25 @@ async def completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -
         lp, offsets[index] = _completion_logprobs(ctx, tokens, offsets[index], req.return_tokens_as_token_ids)
         return lp
 
+    def echo_logprobs_of(choice: Choice) -> dict[str, Any]:
+        return _prompt_logprobs(ctx, prompts[choice.prompt_index], choice.prompt_logprobs,
+                                req.return_tokens_as_token_ids)
+
     def render_final() -> dict[str, Any]:
-        choices = [{"index": c.index, "text": echo[c.prompt_index] + c.text,
-                    "logprobs": choice_logprobs(c.tokens, c.index), "finish_reason": c.finish_reason}
-                   for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            logprobs = choice_logprobs(c.tokens, c.index)
+            if echo_logprobs:
+                logprobs = _joined(echo_logprobs_of(c), logprobs)
+            choices.append({"index": c.index, "text": echo[c.prompt_index] + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})
         return head | {"choices": choices, "usage": usage(gen)}
 
     def first_chunks():
         if req.echo:
             for c in gen.choices:
-                yield head | {"choices": [{"index": c.index, "text": echo[c.prompt_index], "logprobs": None,
+                yield head | {"choices": [{"index": c.index, "text": echo[c.prompt_index],
+                                           "logprobs": echo_logprobs_of(c) if echo_logprobs else None,
                                            "finish_reason": None}]} | _usage_field(req)
 
     def render_chunk(delta: ChoiceDelta | None) -> dict[str, Any]:
