@@ -196,7 +196,7 @@ async def completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -
         raise bad_request("echo with logprobs is not supported with beam search", param="echo")
     params = make_sampling_params(**req.sampling_kwargs(ctx.default_sampling), max_tokens=max_tokens,
                                   logprobs=req.logprobs, prompt_logprobs=req.logprobs if echo_logprobs else None)
-    gen = Generation(ctx, ctx.new_id("cmpl"), prompts, params, _beam_params(ctx, req, params, req.max_tokens))
+    gen = Generation(ctx, ctx.new_id("cmpl"), prompts, params, _beam_params(ctx, req, params, max_tokens))
     head = {"id": gen.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.served_model_name}
     echo = [(text if text is not None else ctx.decode(ids)) if req.echo else "" for ids, text in
             zip(prompts, prompt_texts, strict=True)]
