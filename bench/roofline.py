@@ -65,7 +65,7 @@ from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
 from ksana.events.trace import TraceRecord  # noqa: E402
 from ksana.kernels.dispatch import get_ops  # noqa: E402
-from ksana.messages import SampledToken, StepPlan, StepTimings  # noqa: E402
+from ksana.messages import PromptLogprobs, SampledToken, StepPlan, StepTimings  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 from ksana.worker.fresh_thread import run_in_fresh_thread  # noqa: E402
 
@@ -239,11 +239,11 @@ class StepRecorder:
         self.runner.execute = self._record
         self.steps: list[StepInfo] = []
 
-    def _record(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
-        sampled, timings = self._execute(plan)
+    def _record(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings, dict[str, PromptLogprobs]]:
+        sampled, timings, prompt_logprobs = self._execute(plan)
         self.steps.append(StepInfo(plan.step_id, plan.num_tokens, tuple(r.seq_len for r in plan.rows),
                                    all(r.num_new_tokens == 1 for r in plan.rows), timings))
-        return sampled, timings
+        return sampled, timings, prompt_logprobs
 
 
 @attrs.frozen

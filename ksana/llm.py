@@ -14,7 +14,7 @@ from ksana.config import KsanaConfig, load_config
 from ksana.engine import InferenceEngine
 from ksana.offline_io import OfflineIOActor
 from ksana.output_processor import SequenceStream
-from ksana.outputs import RequestOutput
+from ksana.outputs import RequestOutput, prompt_logprobs_output
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams
 
@@ -76,8 +76,13 @@ class LLM:
             trio.run(self._run, requests, streams, progress.update)
         finally:
             progress.close()
-        for result, group in zip(results, stream_groups, strict=True):
+        for result, group, params in zip(results, stream_groups, params_list, strict=True):
             result.num_cached_tokens = max(stream.num_cached_tokens for stream in group)
+            if params.prompt_logprobs is not None:
+                computed = next((s.prompt_logprobs for s in group if s.prompt_logprobs is not None), None)
+                if computed is not None:
+                    decode = self._token_text if self.tokenizer is not None else None
+                    result.prompt_logprobs = prompt_logprobs_output(computed, result.prompt_token_ids, decode)
         for result in results:
             errors = [o.error for o in result.outputs if o.error]
             if errors:
@@ -116,6 +121,9 @@ class LLM:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return None, token_ids
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _new_request_id(self) -> str:
         self._next_request_id += 1

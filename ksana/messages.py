@@ -49,8 +49,36 @@ class AbortRequest:
 
 # ---- scheduler -> I/O actor -------------------------------------------------------------------------------------
 @attrs.frozen
+class PromptLogprobs:
+    """Log-probabilities of consecutive prompt tokens from ``first_index`` on (the prompt's first token has none:
+    nothing precedes it). Per token: its logprob, its rank in the vocabulary (1: the most likely) and the top
+    ``(token_id, logprob)`` alternatives, best first."""
+
+    first_index: int = 1
+    logprobs: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = ()
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+    @property
+    def end_index(self) -> int:
+        """The index after the last token covered."""
+        return self.first_index + len(self.logprobs)
+
+    def extended(self, more: PromptLogprobs) -> PromptLogprobs:
+        """These followed by the tokens of ``more`` past ``end_index`` (a recomputed prefix adds nothing);
+        ``more`` must not start after ``end_index``."""
+        if more.first_index > self.end_index:
+            raise ValueError(f"prompt logprobs from token {more.first_index} do not follow those up to "
+                             f"{self.end_index}")
+        skip = self.end_index - more.first_index
+        return PromptLogprobs(self.first_index, self.logprobs + more.logprobs[skip:], self.ranks + more.ranks[skip:],
+                              self.top_logprobs + more.top_logprobs[skip:])
+
+
+@attrs.frozen
 class RequestDelta:
-    """What one request produced in one step; ``finish_reason`` set means the request is over."""
+    """What one request produced in one step; ``finish_reason`` set means the request is over. The delta with a
+    request's first token carries its ``prompt_logprobs`` when its parameters asked for them."""
 
     request_id: str
     new_token_ids: tuple[int, ...] = ()
@@ -60,6 +88,7 @@ class RequestDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @attrs.frozen
@@ -242,6 +271,11 @@ class ScheduledRow:
     output_token_ids: Sequence[int] = ()
     banned_token_ids: tuple[int, ...] = ()
     swa_block_ids: tuple[int, ...] = ()  # sliding-window layers' blocks (prefix cache on an SWA model)
+    # Prompt logprobs: the prompt tokens at positions ``start_position + 1 ...``, which the row's first positions
+    # predict (their logits are computed only here: a prefill chunk's hidden states are gone after its step), and
+    # how many top alternatives each gets.
+    prompt_logprob_token_ids: tuple[int, ...] = ()
+    num_prompt_top_logprobs: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -299,3 +333,4 @@ class StepResult:
     sampled: dict[str, SampledToken]
     timings: StepTimings = StepTimings()
     remote_loaded: dict[str, int] = attrs.field(factory=dict)  # per remote load: consecutive blocks loaded
+    prompt_logprobs: dict[str, PromptLogprobs] = attrs.field(factory=dict)  # rows with prompt_logprob_token_ids

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 
 from ksana.detokenizer import IncrementalDetokenizer
-from ksana.messages import RequestDelta
+from ksana.messages import PromptLogprobs, RequestDelta
 from ksana.outputs import CompletionOutput
 from ksana.sampling_params import SamplingParams
 from ksana.stop_checker import StopChecker
@@ -26,6 +26,7 @@ class SequenceStream:
     stop_checker: StopChecker | None
     num_text_sent: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # from the delta with the first token, when asked for
 
     @classmethod
     def create(cls, index: int, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
@@ -48,6 +49,8 @@ class SequenceStream:
         if out.finished:
             return "", False
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         stopped = False
         for i, token_id in enumerate(delta.new_token_ids):
             out.token_ids.append(token_id)

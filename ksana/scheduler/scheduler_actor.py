@@ -119,7 +119,7 @@ class SchedulerActor(Actor):
         follows."""
         assert self._in_flight and msg.step_id == self._next_step_id - len(self._in_flight), "step result out of order"
         out = self._in_flight.popleft()
-        deltas, finished = self.scheduler.update(out, msg.sampled)
+        deltas, finished = self.scheduler.update(out, msg.sampled, msg.prompt_logprobs)
         if msg.remote_loaded:
             self.scheduler.note_remote_loaded(msg.remote_loaded)
         self._pending_release.extend(finished)

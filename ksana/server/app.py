@@ -23,7 +23,14 @@ from ksana.server import generate_api, openai_api
 from ksana.server.context import ServerContext
 from ksana.server.disagg import KV_TRANSFER, kv_transfer_from_headers
 from ksana.server.metrics import CONTENT_TYPE
-from ksana.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, bad_request, parse_body
+from ksana.server.protocol import (
+    APIError,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    check_content_type,
+    parse_body,
+)
 from ksana.server.responses import ProducedResponse, ResponseWriter
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ def build_app(ctx: ServerContext) -> Starlette:
     def generation_route(handler: Handler):
         async def endpoint(request: Request) -> ProducedResponse:
             KV_TRANSFER.set(kv_transfer_from_headers(request.headers, ctx.node_role))
+            check_content_type(request.headers.get("content-type"))
             body = await request.body()
             return ProducedResponse(partial(handler, ctx, body))
 
@@ -74,6 +82,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         return _ORJSONResponse(openai_api.model_card(ctx))
 
     async def tokenize(request: Request) -> Response:
+        check_content_type(request.headers.get("content-type"))
         req: TokenizeRequest = parse_body(await request.body(), TokenizeRequest)
         ctx.check_model(req.model)
         if req.messages is not None:
@@ -85,6 +94,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         return _ORJSONResponse({"count": len(tokens), "max_model_len": ctx.max_token_len, "tokens": tokens})
 
     async def detokenize(request: Request) -> Response:
+        check_content_type(request.headers.get("content-type"))
         req: DetokenizeRequest = parse_body(await request.body(), DetokenizeRequest)
         ctx.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)

@@ -53,6 +53,10 @@ def add_serve_parser(subparsers) -> None:
                        help="a node of a prefill/decode pair, registered with --router (default: standalone)")
     serve.add_argument("--router", dest="router_addr", metavar="URL",
                        help="the ksana router a prefill or decode node registers with")
+    serve.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                       help="sampling defaults for requests that leave them out: 'auto' (default) reads the model's "
+                            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                            "max_new_tokens), 'vllm' ignores it, a directory reads its generation_config.json")
     for name, kind in _EXTRA_CONFIG_FLAGS.items():
         serve.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     serve.set_defaults(func=_cmd_serve)
@@ -63,15 +67,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ksana.config import load_config
     from ksana.engine import InferenceEngine
+    from ksana.generation_config import read_sampling_defaults
     from ksana.server.serve import ServeOptions, run
 
     overrides = config_overrides(args) | {name: getattr(args, name) for name in _EXTRA_CONFIG_FLAGS}
     overrides |= {"group_role": args.group_role, "router_addr": args.router_addr}
     config = load_config(args.config, model_dir=args.model, device=args.device, **overrides)
     engine = InferenceEngine(config)
+    read_sampling_defaults(engine.model_dir, args.generation_config)  # a bad file is a CLI error, before serving
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                            api_key=args.api_key or None, loop_nice=args.loop_nice,
-                           stream_interval=args.stream_interval)
+                           stream_interval=args.stream_interval, generation_config=args.generation_config)
 
     def on_ready(ctx, url: str) -> None:
         print(f"Ksana serving {ctx.served_model_name} at {url}", flush=True)

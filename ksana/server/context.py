@@ -32,6 +32,8 @@ class ServerContext:
     stream_interval: int = 1  # tokens per streamed event (``ServeOptions.stream_interval``)
     node_role: str = "none"  # prefill/decode disaggregation: "prefill" or "decode" (``server/disagg.py``)
     kv_connector: Any = None  # a prefill or decode node's KV transport, for /metrics
+    # The model's sampling defaults (``--generation-config``): what a request that leaves a field out gets.
+    default_sampling: dict[str, Any] = attrs.field(factory=dict)
     created: int = attrs.field(factory=lambda: int(time.time()))
     rng: random.Random = attrs.field(factory=random.Random)
     _counter: Any = attrs.field(factory=itertools.count)
@@ -83,6 +85,22 @@ class ServerContext:
         if bad is not None:
             raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
         return token_ids
+
+    def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        """A requested output limit that the context cannot hold after the prompt is a 400 (vLLM's wording):
+        clients trim their history on it rather than get a shorter answer than they asked for."""
+        if max_tokens is None or num_prompt_tokens + max_tokens <= self.max_token_len:
+            return
+        raise bad_request(
+            f"'{param}' is too large: {max_tokens}. This model's maximum context length is {self.max_token_len} "
+            f"tokens and your request has {num_prompt_tokens} input tokens ({max_tokens} > {self.max_token_len} - "
+            f"{num_prompt_tokens}).", param=param, code="context_length_exceeded")
+
+    def check_stop_token_ids(self, token_ids: list[int] | None, param: str = "stop_token_ids") -> None:
+        bad = next((t for t in token_ids or () if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"stop_token_ids has token id {bad}, outside the vocabulary [0, {self.vocab_size}) "
+                              f"(vocabulary size {self.vocab_size})", param=param)
 
     # ---- text of tokens ---------------------------------------------------------------------------------------
     def decode(self, token_ids: list[int]) -> str:

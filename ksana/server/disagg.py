@@ -45,6 +45,8 @@ def pair_params(kv: KVTransfer, params: SamplingParams, num_sequences: int, beam
     if beam or num_sequences != 1:
         raise bad_request("a prefill/decode pair serves one sequence per request (no n > 1, best_of or beam "
                           "search)")
+    if params.prompt_logprobs is not None:
+        raise bad_request("a prefill/decode pair does not compute prompt logprobs (echo with logprobs)")
     if kv.role == "prefill":
         return attrs.evolve(params, max_tokens=1, min_tokens=0)
     return params

@@ -66,6 +66,7 @@ async def generate(ctx: ServerContext, body: bytes, writer: ResponseWriter) -> N
         prompt = ctx.check_prompt(ctx.encode_text(req.prompt))
     else:
         raise bad_request("give a prompt or input_tokens", param="prompt")
+    ctx.check_stop_token_ids(req.sampling_config.stop_token_ids, param="sampling_config")
     params, num_beams, num_return = _sampling(req)
     beam = None
     if num_beams > 1:

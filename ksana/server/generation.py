@@ -4,7 +4,8 @@ The routes differ only in how they render ``ChoiceDelta``s. A ``Generation`` sub
 per prompt, ids ``"{id}-{prompt}-{i}"``, seeds ``seed + i`` as in ``LLM``), then ``start()`` waits until the
 scheduler has answered every one of them once (a first token, or a rejection), so a full queue or a bad prompt
 still becomes an HTTP error status rather than a broken stream. ``deltas()`` then yields each choice's new text and
-tokens as steps come. Beam search runs whole inside ``start()`` and yields each returned beam once.
+tokens as steps come. Beam search runs whole inside ``start()`` and yields each returned beam once. Prompt
+logprobs, when the parameters ask, come with a request's first token, so ``start()`` has them on every choice.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import attrs
 
-from ksana.messages import RequestDelta
+from ksana.messages import PromptLogprobs, RequestDelta
 from ksana.output_processor import SequenceStream
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ class Choice:
     score: float | None = None  # beam search: the length-penalised score
     num_cached_tokens: int = 0
     seen: bool = False  # the scheduler answered at least once
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the parameters asked
 
     @property
     def token_ids(self) -> list[int]:
@@ -143,6 +145,8 @@ class Generation:
             choice.seen = True
             if delta.error is not None:
                 raise engine_error(delta.error)
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             self._pending.append(delta)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:

@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 
+from ksana.messages import PromptLogprobs
 from ksana.sampling_params import SamplingParams
 from ksana.server.beam_search import BeamSearchParams
 from ksana.server.context import ServerContext
-from ksana.server.generation import ChoiceDelta, Generation, TokenInfo
+from ksana.server.generation import Choice, ChoiceDelta, Generation, TokenInfo
 from ksana.server.io_actor import ServerShuttingDown
 from ksana.server.protocol import (
     MAX_LOGPROBS,
@@ -127,6 +128,29 @@ def _completion_prompts(ctx: ServerContext, prompt) -> tuple[list[list[int]], li
     return token_lists, texts
 
 
+def _prompt_logprobs(ctx: ServerContext, prompt: list[int], logprobs: PromptLogprobs,
+                     as_ids: bool) -> dict[str, Any]:
+    """The legacy logprobs object of an echoed prompt: its first token has no logprob (``null``, as its top)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
+    offset = 0
+    for token_id in prompt:
+        out["tokens"].append(ctx.token_text(token_id, as_ids))
+        out["text_offset"].append(offset)
+        offset += len(ctx.token_text(token_id)) if ctx.tokenizer is not None else 0
+    for i, (logprob, top) in enumerate(zip(logprobs.logprobs, logprobs.top_logprobs, strict=True)):
+        text = out["tokens"][logprobs.first_index + i]
+        out["token_logprobs"].append(logprob)
+        entry = {text: logprob}
+        for token_id, top_logprob in top:
+            entry.setdefault(ctx.token_text(token_id, as_ids), top_logprob)
+        out["top_logprobs"].append(entry)
+    return out
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    return {key: first[key] + then[key] for key in first} if then is not None else first
+
+
 def _completion_logprobs(ctx: ServerContext, tokens: list[TokenInfo], offset: int,
                          as_ids: bool) -> tuple[dict[str, Any], int]:
     """OpenAI's legacy logprobs object for these tokens, and the text offset after them."""
@@ -144,20 +168,35 @@ def _completion_logprobs(ctx: ServerContext, tokens: list[TokenInfo], offset: in
     return out, offset
 
 
+def _check_request(ctx: ServerContext, req: OpenAISampling) -> None:
+    """What both OpenAI routes check before the prompt is read."""
+    ctx.check_model(req.model)
+    req.check_stream_options()
+    ctx.check_stop_token_ids(req.stop_token_ids)
+
+
 async def completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -> None:
     req: CompletionRequest = parse_body(body, CompletionRequest)
-    ctx.check_model(req.model)
+    _check_request(ctx, req)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (or be left out)", param="best_of")
     _check_logprobs(req.logprobs, "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute",
-                          param="echo")
     prompts, prompt_texts = _completion_prompts(ctx, req.prompt)
-    params = make_sampling_params(**req.sampling_kwargs(), max_tokens=req.max_tokens, logprobs=req.logprobs)
-    gen = Generation(ctx, ctx.new_id("cmpl"), prompts, params, _beam_params(ctx, req, params, req.max_tokens))
+    if "max_tokens" in req.model_fields_set:
+        max_tokens = req.max_tokens
+        for prompt in prompts:
+            ctx.check_max_tokens(len(prompt), max_tokens, "max_tokens")
+    else:  # OpenAI's 16, or the model's default where that is lower (vLLM takes the smaller)
+        max_tokens = min(req.max_tokens, ctx.default_sampling.get("max_tokens", req.max_tokens))
+    # echo with logprobs: the prompt's tokens get logprobs too, with as many top alternatives.
+    echo_logprobs = req.echo and req.logprobs is not None
+    if echo_logprobs and req.use_beam_search:
+        raise bad_request("echo with logprobs is not supported with beam search", param="echo")
+    params = make_sampling_params(**req.sampling_kwargs(ctx.default_sampling), max_tokens=max_tokens,
+                                  logprobs=req.logprobs, prompt_logprobs=req.logprobs if echo_logprobs else None)
+    gen = Generation(ctx, ctx.new_id("cmpl"), prompts, params, _beam_params(ctx, req, params, max_tokens))
     head = {"id": gen.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.served_model_name}
     echo = [(text if text is not None else ctx.decode(ids)) if req.echo else "" for ids, text in
             zip(prompts, prompt_texts, strict=True)]
@@ -169,16 +208,25 @@ async def completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -
         lp, offsets[index] = _completion_logprobs(ctx, tokens, offsets[index], req.return_tokens_as_token_ids)
         return lp
 
+    def echo_logprobs_of(choice: Choice) -> dict[str, Any]:
+        return _prompt_logprobs(ctx, prompts[choice.prompt_index], choice.prompt_logprobs,
+                                req.return_tokens_as_token_ids)
+
     def render_final() -> dict[str, Any]:
-        choices = [{"index": c.index, "text": echo[c.prompt_index] + c.text,
-                    "logprobs": choice_logprobs(c.tokens, c.index), "finish_reason": c.finish_reason}
-                   for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            logprobs = choice_logprobs(c.tokens, c.index)
+            if echo_logprobs:
+                logprobs = _joined(echo_logprobs_of(c), logprobs)
+            choices.append({"index": c.index, "text": echo[c.prompt_index] + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})
         return head | {"choices": choices, "usage": usage(gen)}
 
     def first_chunks():
         if req.echo:
             for c in gen.choices:
-                yield head | {"choices": [{"index": c.index, "text": echo[c.prompt_index], "logprobs": None,
+                yield head | {"choices": [{"index": c.index, "text": echo[c.prompt_index],
+                                           "logprobs": echo_logprobs_of(c) if echo_logprobs else None,
                                            "finish_reason": None}]} | _usage_field(req)
 
     def render_chunk(delta: ChoiceDelta | None) -> dict[str, Any]:
@@ -207,15 +255,23 @@ def _chat_logprobs(ctx: ServerContext, tokens: list[TokenInfo], as_ids: bool) ->
 
 async def chat_completions(ctx: ServerContext, body: bytes, writer: ResponseWriter) -> None:
     req: ChatCompletionRequest = parse_body(body, ChatCompletionRequest)
-    ctx.check_model(req.model)
+    _check_request(ctx, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     _check_logprobs(req.top_logprobs, "top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     prompt = ctx.check_prompt(
         ctx.apply_chat_template(req.messages, req.add_generation_prompt, req.chat_template_kwargs), param="messages")
+    if req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+        ctx.check_max_tokens(len(prompt), max_tokens, "max_completion_tokens")
+    elif req.max_tokens is not None:
+        max_tokens = req.max_tokens
+        ctx.check_max_tokens(len(prompt), max_tokens, "max_tokens")
+    else:  # the model's default, else as many as the context holds
+        max_tokens = ctx.default_sampling.get("max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(**req.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+    params = make_sampling_params(**req.sampling_kwargs(ctx.default_sampling), max_tokens=max_tokens,
+                                  logprobs=logprobs)
     gen = Generation(ctx, ctx.new_id("chatcmpl"), [prompt], params, _beam_params(ctx, req, params, max_tokens))
     head = {"id": gen.request_id, "created": ctx.created, "model": ctx.served_model_name}
 

@@ -57,6 +57,19 @@ def engine_error(message: str) -> APIError:
     return APIError(500, message, code="internal_error")
 
 
+def check_content_type(value: str | None) -> None:
+    """A body must be declared JSON: ``application/json`` (parameters such as ``charset`` allowed) or
+    ``application/*+json``; no Content-Type at all is read as JSON. These are the types vLLM's FastAPI reads as JSON;
+    anything else (a form, plain text) is a 415."""
+    if value is None:
+        return
+    media_type = value.split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    raise APIError(415, f"the request body must be JSON (Content-Type: application/json), not {value!r}",
+                   code="unsupported_media_type")
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Validate a JSON body against ``model``; malformed JSON and wrong types are 400s naming the field."""
     try:
@@ -97,8 +110,14 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = None  # null reads as absent (false), as vLLM reads it
+    continuous_usage_stats: bool | None = None
+
+
+# Sampling fields a request may leave out, with the values they then take when the model's generation config
+# (``--generation-config auto``) gives none.
+SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                     "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 class OpenAISampling(_Strict):
@@ -127,13 +146,17 @@ class OpenAISampling(_Strict):
     early_stopping: bool | Literal["never"] = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's option)
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    def sampling_kwargs(self, model_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``SamplingParams`` keywords; a field left out takes the model's default, else ``SAMPLING_DEFAULTS``."""
+        defaults = SAMPLING_DEFAULTS | {k: v for k, v in (model_defaults or {}).items() if k in SAMPLING_DEFAULTS}
         kwargs = {name: getattr(self, name) if getattr(self, name) is not None else value
                   for name, value in defaults.items()}
         return kwargs | {"n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
                          "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", param="stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -142,7 +165,7 @@ class OpenAISampling(_Strict):
 
 class CompletionRequest(OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # null: as many as the context holds
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

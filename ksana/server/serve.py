@@ -22,6 +22,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from ksana.disagg.kv_connector import KVConnector
 from ksana.disagg.node import NodeAgent
 from ksana.engine import InferenceEngine
+from ksana.generation_config import read_sampling_defaults
 from ksana.server.app import build_app
 from ksana.server.context import ServerContext
 from ksana.server.io_actor import ServerIOActor
@@ -52,12 +53,22 @@ class ServeOptions:
     # through hypercorn, h11 and a socket send (about 100 us of CPU), taken from the forward's cores
     # (`bench/serving_vs_offline.py --stream-interval N`). 1 streams every token as it comes.
     stream_interval: int = 1
+    # Sampling defaults for requests that leave fields out (vLLM's ``--generation-config``): "auto" reads the model
+    # directory's generation_config.json, "vllm" ignores it, another value is a directory to read it from.
+    generation_config: str = "auto"
 
 
 def build_context(engine: InferenceEngine, options: ServeOptions) -> ServerContext:
     """The handlers' context; a prefill or decode node also gets its KV transport on the engine's runner."""
     metrics = ServerMetrics()
     tokenization = engine.config.setting.tokenization
+    defaults = read_sampling_defaults(engine.model_dir, options.generation_config)
+    if defaults:
+        logger.warning("sampling defaults from the model's generation config (%s): %s; requests that leave these "
+                       "fields out use them (--generation-config vllm ignores them)", options.generation_config,
+                       ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    else:
+        logger.info("no sampling defaults from the model (--generation-config %s)", options.generation_config)
     return ServerContext(
         io=ServerIOActor(metrics),
         metrics=metrics,
@@ -72,6 +83,7 @@ def build_context(engine: InferenceEngine, options: ServeOptions) -> ServerConte
         api_key=options.api_key,
         stream_interval=options.stream_interval,
         node_role=engine.config.setting.connector.group_role,
+        default_sampling=defaults,
     )
 
 

@@ -23,6 +23,7 @@ from ksana.messages import (
     KVArrived,
     KVInstall,
     KVSend,
+    PromptLogprobs,
     RemoteBlock,
     RemoteLoad,
     SampledToken,
@@ -31,6 +32,7 @@ from ksana.messages import (
     StepTimings,
 )
 from ksana.worker.kv_cache import KVCache
+from ksana.worker.prompt_logprobs import compute_prompt_logprobs
 from ksana.worker.sampler import Sampler, SamplingRow, plain_greedy
 
 
@@ -47,18 +49,21 @@ class ModelRunner:
         # ``PLACEHOLDER_TOKEN``. Tensor-parallel ranks that do not sample are handed rank 0's.
         self.last_sampled: dict[str, int] = {}
 
-    def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
+    def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings, dict[str, PromptLogprobs]]:
+        """The sampled token of each sampling row, the step's timings, and the prompt logprobs of the rows that
+        ask for them."""
         started = time.monotonic()
         previous, self.last_sampled = self.last_sampled, {}
         if plan.kv_installs:
             self.install_kv(plan.kv_installs)
-        sampled, timings = self._execute_rows(plan, previous) if plan.rows else ({}, StepTimings())
+        sampled, timings, prompt_logprobs = (self._execute_rows(plan, previous) if plan.rows
+                                             else ({}, StepTimings(), {}))
         if plan.kv_sends:
             self.send_kv(plan.kv_sends, sampled)
         if plan.remote_saves:
             self.save_remote_blocks(plan.remote_saves)
         self.last_sampled = {rid: token.token_id for rid, token in sampled.items()}
-        return sampled, attrs.evolve(timings, started_at=started, finished_at=time.monotonic())
+        return sampled, attrs.evolve(timings, started_at=started, finished_at=time.monotonic()), prompt_logprobs
 
     def load_remote_blocks(self, loads: tuple[RemoteLoad, ...]) -> dict[str, int]:
         """Copy each load's blocks from the store, in order; a load stops at its first missing or unreadable
@@ -98,7 +103,8 @@ class ModelRunner:
         for block in blocks:
             self.remote_store.save(block.block_hash, self.kv_cache.block_tensors(block.fa_block_id, block.swa_block_id))
 
-    def _execute_rows(self, plan: StepPlan, previous: dict[str, int]) -> tuple[dict[str, SampledToken], StepTimings]:
+    def _execute_rows(self, plan: StepPlan, previous: dict[str, int],
+                      ) -> tuple[dict[str, SampledToken], StepTimings, dict[str, PromptLogprobs]]:
         t0 = time.perf_counter()
         rows = plan.rows
         if any(row.num_new_tokens != 1 for row in rows):
@@ -114,8 +120,12 @@ class ModelRunner:
         t1 = time.perf_counter()
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+            prompt_logprobs = {}
+            if any(row.prompt_logprob_token_ids for row in rows):
+                starts = [0, *itertools.accumulate(meta.query_lens_list)]
+                prompt_logprobs = compute_prompt_logprobs(self.model, hidden, rows, starts)
             if not sample_rows:
-                return {}, StepTimings(prepare_s=t1 - t0, forward_s=time.perf_counter() - t1)
+                return {}, StepTimings(prepare_s=t1 - t0, forward_s=time.perf_counter() - t1), prompt_logprobs
             hidden_rows = hidden if last_index is None else hidden[last_index]
             rows_sampled = rows if last_index is None else [rows[i] for i in sample_rows]
             # Plain greedy rows straight from the lm_head where the kernels fuse the two (no [N, vocab] logits).
@@ -131,7 +141,7 @@ class ModelRunner:
                 sampled = {row.request_id: SampledToken(token_id, logprob, None)
                            for row, token_id, logprob in zip(rows_sampled, *greedy, strict=True)}
         t3 = time.perf_counter()
-        return sampled, StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
+        return sampled, StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2), prompt_logprobs
 
     def prepare_inputs(self, rows: Sequence[ScheduledRow], previous: dict[str, int] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

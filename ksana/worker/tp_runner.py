@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ksana.disagg.kv_connector import KVConnector
-from ksana.messages import SampledToken, StepPlan, StepTimings
+from ksana.messages import PromptLogprobs, SampledToken, StepPlan, StepTimings
 from ksana.models.parallel import CollectiveError, TPGroup, check_tp_size
 from ksana.models.shape import ModelShape
 from ksana.worker.kv_cache import KVCache
@@ -189,7 +189,7 @@ class TPModelRunner:
     def world_size(self) -> int:
         return self.group.world_size
 
-    def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings]:
+    def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings, dict[str, PromptLogprobs]]:
         if self.failure is not None:
             raise self.failure
         try:

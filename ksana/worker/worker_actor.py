@@ -8,10 +8,18 @@ import trio
 
 from ksana.events import Actor, BlockingLane, handles
 from ksana.events.lane import LaneCall
-from ksana.messages import ExecuteStep, KVArrived, SampledToken, StepPlan, StepResult, StepTimings
+from ksana.messages import (
+    ExecuteStep,
+    KVArrived,
+    PromptLogprobs,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    StepTimings,
+)
 from ksana.worker.model_runner import ModelRunner
 
-StepOutcome = tuple[dict[str, SampledToken], StepTimings, dict[str, int]]
+StepOutcome = tuple[dict[str, SampledToken], StepTimings, dict[str, int], dict[str, PromptLogprobs]]
 
 
 class WorkerActor(Actor):
@@ -58,14 +66,15 @@ class WorkerActor(Actor):
     def _run_step(self, plan: StepPlan) -> StepOutcome:
         """On the lane: remote loads before the forward pass (the loaded blocks are reserved, nobody else writes)."""
         loaded = self.runner.load_remote_blocks(plan.remote_loads) if plan.remote_loads else {}
-        sampled, timings = self.runner.execute(plan)
-        return sampled, timings, loaded
+        sampled, timings, prompt_logprobs = self.runner.execute(plan)
+        return sampled, timings, loaded, prompt_logprobs
 
     async def _send_results(self, steps_rx: trio.MemoryReceiveChannel[tuple[int, LaneCall[StepOutcome]]]) -> None:
         try:
             async for step_id, call in steps_rx:
-                sampled, timings, loaded = await call.result()
-                await self.send(StepResult(step_id=step_id, sampled=sampled, timings=timings, remote_loaded=loaded))
+                sampled, timings, loaded, prompt_logprobs = await call.result()
+                await self.send(StepResult(step_id=step_id, sampled=sampled, timings=timings, remote_loaded=loaded,
+                                           prompt_logprobs=prompt_logprobs))
         finally:
             # The loop is stopping: a step may still be queued on the lane (async scheduling plans one past a stop
             # token). Wait for it, so that no forward pass outlives the run that started it; its result is dropped.

@@ -21,7 +21,10 @@ def test_smollm2_converts_once_and_answers():
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert "quantization_config" not in config
-    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    generation_config = json.loads((model_dir / "generation_config.json").read_text())
+    assert generation_config["eos_token_id"] == 2
+    # The model card's recommended sampling, which `ksana serve` applies to requests that leave it out.
+    assert (generation_config["temperature"], generation_config["top_p"]) == (0.2, 0.9)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

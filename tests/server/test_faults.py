@@ -12,7 +12,8 @@ import pytest
 
 from tests.server.conftest import ServerProcess
 
-LONG = {"prompt": "Once upon a time", "max_tokens": 100_000, "extra_body": {"ignore_eos": True}}  # ~2000 tokens
+# Up to the demo model's 2048-token context: ~2000 tokens, long enough to still run when a test acts on it.
+LONG = {"prompt": "Once upon a time", "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
 KEY = "sk-test-key"
 # One running request at a time and one waiting: the next one finds the queue full.
 SMALL_QUEUE = ("--model", "demo", "--max-batch-size", "1", "--max-waiting-queue-len", "1")

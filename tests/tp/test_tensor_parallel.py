@@ -61,6 +61,16 @@ def test_tp2_greedy_equals_tp1_with_chunked_prefill_and_preemption(checkpoints, 
     assert _tokens(llm, prompts) == expected
     assert llm.engine.scheduler.stats.num_preemptions > 0
 
+    # Prompt logprobs come from the logits of every prompt position, gathered across the ranks' vocabulary shards.
+    asked = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for want, got in zip(reference.generate(prompts, asked, use_tqdm=False), llm.generate(prompts, asked,
+                                                                                        use_tqdm=False), strict=True):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(want.prompt_token_ids)
+        for got_entry, want_entry in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert list(got_entry) == list(want_entry)
+            assert [v.logprob for v in got_entry.values()] == pytest.approx(
+                [v.logprob for v in want_entry.values()], abs=1e-4)
+
     # Each rank holds half of every split weight; only the norms are replicated.
     full = sum(p.numel() * p.element_size() for p in reference.engine.model.parameters())
     shape = reference.engine.shape

@@ -121,7 +121,7 @@ def test_plain_greedy_rows_take_the_fused_lm_head_and_get_the_logits_paths_token
         rows = tuple(ScheduledRow(request_id=str(i), token_ids=(7 + 11 * i,), start_position=i,
                                   block_ids=(3 * i, 3 * i + 1, 3 * i + 2), do_sample=True, sampling_params=params[i])
                      for i in range(9))
-        sampled, _ = ModelRunner(model, cache).execute(StepPlan(step_id=0, rows=rows))
+        sampled, _, _ = ModelRunner(model, cache).execute(StepPlan(step_id=0, rows=rows))
         return [sampled[str(i)] for i in range(9)]
 
     greedy = [SamplingParams(temperature=0.0)] * 9
