@@ -8,50 +8,41 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ksana.router.protocol import HeartbeatRequest, RegisterCommIdRequest, RegisterNodeRequest
 from ksana.router.proxy import Proxy
 from ksana.router.state import RouterState
-from ksana.server.protocol import APIError, parse_body
+from ksana.server.errors import ORJSONResponse, error_handlers
+from ksana.server.protocol import parse_body
 
 logger = logging.getLogger(__name__)
 
 _PROXIED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
-class _ORJSONResponse(JSONResponse):
-    def render(self, content) -> bytes:
-        return orjson.dumps(content)
-
-
-def error_response(error: APIError) -> Response:
-    return _ORJSONResponse(error.body(), status_code=error.status)
-
 
 def build_app(state: RouterState, proxy: Proxy) -> Starlette:
     async def register_node(request: Request) -> Response:
         req: RegisterNodeRequest = parse_body(await request.body(), RegisterNodeRequest)
-        return _ORJSONResponse(await state.register_node(req), status_code=201)
+        return ORJSONResponse(await state.register_node(req), status_code=201)
 
     async def heartbeat(request: Request) -> Response:
         req: HeartbeatRequest = parse_body(await request.body(), HeartbeatRequest)
-        return _ORJSONResponse(await state.heartbeat(req.node_id))
+        return ORJSONResponse(await state.heartbeat(req.node_id))
 
     async def register_comm_id(request: Request) -> Response:
         req: RegisterCommIdRequest = parse_body(await request.body(), RegisterCommIdRequest)
-        return _ORJSONResponse(await state.register_comm_id(req))
+        return ORJSONResponse(await state.register_comm_id(req))
 
     async def health(request: Request) -> Response:
-        return _ORJSONResponse({"status": "healthy", "routable_pairs": len(proxy.usable_routes())})
+        return ORJSONResponse({"status": "healthy", "routable_pairs": len(proxy.usable_routes())})
 
     async def nodes(request: Request) -> Response:
-        return _ORJSONResponse(await state.nodes())
+        return ORJSONResponse(await state.nodes())
 
     routes = [
         Route("/RegisterNode", register_node, methods=["POST"]),
@@ -64,21 +55,6 @@ def build_app(state: RouterState, proxy: Proxy) -> Starlette:
         Route("/v2/{path:path}", proxy.endpoint, methods=_PROXIED_METHODS),
     ]
 
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, APIError)
-        if exc.status >= 500 or exc.status in (403, 404):
-            logger.warning("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
-        return error_response(exc)
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       code=code))
-
-    async def on_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(APIError(500, "internal server error", code="internal_error"))
-
-    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                                                        Exception: on_error})
+    # A refused or unknown node, and the proxy's own failures, are worth a line in the router's log.
+    return Starlette(routes=routes, exception_handlers=error_handlers(
+        logger, log_when=lambda status: status >= 500 or status in (403, 404)))

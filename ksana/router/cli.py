@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ksana.router.policy import POLICIES
 
@@ -37,16 +36,9 @@ def add_router_parser(subparsers) -> None:
 
 def _cmd_router(args: argparse.Namespace) -> int:
     from ksana.router.serve import RouterOptions, run
-    from ksana.server.cli import _first
+    from ksana.server.cli import serve_until_stopped
 
     options = RouterOptions(host=args.host, port=args.port, db=args.db, heartbeat_timeout_s=args.heartbeat_timeout,
                             cluster_name=args.cluster_name, policy=args.policy)
-    try:
-        run(options, lambda url: print(f"Ksana router at {url}", flush=True))
-    except BaseException as exc:
-        error = _first(exc, OSError)
-        if error is None:
-            raise
-        print(f"ksana: error: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return serve_until_stopped(lambda: run(options, lambda url: print(f"Ksana router at {url}", flush=True)),
+                               args.host, args.port)

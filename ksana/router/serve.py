@@ -7,7 +7,6 @@ second signal stops at once. The database keeps the registry, so a router restar
 from __future__ import annotations
 
 import logging
-import signal
 from collections.abc import Callable
 from functools import partial
 
@@ -23,6 +22,7 @@ from ksana.router.proxy import Proxy
 from ksana.router.registry import Registry
 from ksana.router.state import RouterState
 from ksana.router.storage import Storage
+from ksana.server.signals import watch_signals
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ async def serve(options: RouterOptions, on_ready: Callable[[str], None] | None =
             config.errorlog = logging.getLogger("hypercorn.error")
             stop = trio.Event()
             async with trio.open_nursery() as nursery:
-                await nursery.start(_watch_signals, stop, nursery.cancel_scope)
+                await nursery.start(watch_signals, stop, nursery.cancel_scope,
+                                    lambda name: logger.info("%s: shutting down", name))
                 nursery.start_soon(state.sweep_forever, options.sweep_interval_s)
 
                 async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -87,20 +88,6 @@ async def serve(options: RouterOptions, on_ready: Callable[[str], None] | None =
     finally:
         storage.close()
     logger.info("router stopped")
-
-
-async def _watch_signals(stop: trio.Event, cancel_scope: trio.CancelScope,
-                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            if stop.is_set():
-                logger.warning("%s again: stopping now", name)
-                cancel_scope.cancel()
-                return
-            logger.info("%s: shutting down", name)
-            stop.set()
 
 
 def run(options: RouterOptions, on_ready: Callable[[str], None] | None = None) -> None:

@@ -11,17 +11,16 @@ import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-import orjson
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ksana.events import LoopStoppedError
 from ksana.server import generate_api, openai_api
 from ksana.server.context import ServerContext
 from ksana.server.disagg import KV_TRANSFER, kv_transfer_from_headers
+from ksana.server.errors import ORJSONResponse, error_handlers, error_response
 from ksana.server.metrics import CONTENT_TYPE
 from ksana.server.protocol import (
     APIError,
@@ -40,15 +39,6 @@ _PUBLIC_PATHS = ("/health", "/metrics")
 Handler = Callable[[ServerContext, bytes, ResponseWriter], Awaitable[None]]
 
 
-class _ORJSONResponse(JSONResponse):
-    def render(self, content) -> bytes:
-        return orjson.dumps(content)
-
-
-def error_response(error: APIError) -> Response:
-    return _ORJSONResponse(error.body(), status_code=error.status)
-
-
 def build_app(ctx: ServerContext) -> Starlette:
     def generation_route(handler: Handler):
         async def endpoint(request: Request) -> ProducedResponse:
@@ -61,8 +51,8 @@ def build_app(ctx: ServerContext) -> Starlette:
 
     async def health(request: Request) -> Response:
         if ctx.io.is_shutting_down:
-            return _ORJSONResponse({"status": "shutting down"}, status_code=503)
-        return _ORJSONResponse({"status": "healthy"})
+            return ORJSONResponse({"status": "shutting down"}, status_code=503)
+        return ORJSONResponse({"status": "healthy"})
 
     async def metrics(request: Request) -> Response:
         if ctx.kv_connector is not None:
@@ -74,12 +64,12 @@ def build_app(ctx: ServerContext) -> Starlette:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(request: Request) -> Response:
-        return _ORJSONResponse(openai_api.models_list(ctx))
+        return ORJSONResponse(openai_api.models_list(ctx))
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
         ctx.check_model(name)
-        return _ORJSONResponse(openai_api.model_card(ctx))
+        return ORJSONResponse(openai_api.model_card(ctx))
 
     async def tokenize(request: Request) -> Response:
         check_content_type(request.headers.get("content-type"))
@@ -91,7 +81,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             tokens = ctx.encode_text(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise bad_request("give a prompt or messages", param="prompt")
-        return _ORJSONResponse({"count": len(tokens), "max_model_len": ctx.max_token_len, "tokens": tokens})
+        return ORJSONResponse({"count": len(tokens), "max_model_len": ctx.max_token_len, "tokens": tokens})
 
     async def detokenize(request: Request) -> Response:
         check_content_type(request.headers.get("content-type"))
@@ -102,7 +92,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", param="tokens")
         if ctx.tokenizer is None:
             raise bad_request("this model has no tokenizer", param="tokens")
-        return _ORJSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+        return ORJSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -118,21 +108,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
 
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        return error_response(exc)  # type: ignore[arg-type]
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       code=code))
-
-    async def on_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(APIError(500, "internal server error", code="internal_error"))
-
-    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_error})
+    app = Starlette(routes=routes, exception_handlers=error_handlers(logger))
     return ApiKeyCheck(app, ctx.api_key) if ctx.api_key else app
 
 

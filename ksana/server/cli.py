@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from ksana.config_flags import add_config_flags, config_overrides
 from ksana.server.priority import DEFAULT_LOOP_NICE, parse_loop_nice
@@ -82,13 +83,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def on_ready(ctx, url: str) -> None:
         print(f"Ksana serving {ctx.served_model_name} at {url}", flush=True)
 
+    return serve_until_stopped(lambda: run(engine, options, on_ready), args.host, args.port)
+
+
+def serve_until_stopped(run: Callable[[], None], host: str, port: int) -> int:
+    """Run a server (``ksana serve``, ``ksana router``) to its end: 0, or 2 and one line on stderr when its address
+    cannot be bound."""
     try:
-        run(engine, options, on_ready)
+        run()
     except BaseException as exc:
         error = _first(exc, OSError)
         if error is None:
             raise
-        print(f"ksana: error: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
+        print(f"ksana: error: cannot serve on {host}:{port}: {error}", file=sys.stderr)
         return 2
     return 0
 

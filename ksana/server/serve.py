@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -28,6 +27,7 @@ from ksana.server.context import ServerContext
 from ksana.server.io_actor import ServerIOActor
 from ksana.server.metrics import ServerMetrics
 from ksana.server.priority import DEFAULT_LOOP_NICE, lower_loop_priority
+from ksana.server.signals import watch_signals
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ async def serve(engine: InferenceEngine, options: ServeOptions,
         if await lower_loop_priority(engine.forward_lane, options.loop_nice):
             logger.info("event loop thread at nice +%d", options.loop_nice)
         async with trio.open_nursery() as nursery:
-            await nursery.start(_watch_signals, ctx, stop, nursery.cancel_scope)
+            await nursery.start(watch_signals, stop, nursery.cancel_scope, partial(_begin_shutdown, ctx))
 
             async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
                 await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
@@ -149,19 +149,9 @@ def _node_agent(engine: InferenceEngine, options: ServeOptions) -> NodeAgent:
                      connector=connector, join=join, num_devices=tp_size, device_type=engine.device.type)
 
 
-async def _watch_signals(ctx: ServerContext, stop: trio.Event, cancel_scope: trio.CancelScope,
-                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            if stop.is_set():
-                logger.warning("%s again: stopping now", name)
-                cancel_scope.cancel()
-                return
-            num_open = ctx.io.begin_shutdown()
-            logger.info("%s: shutting down (%d open responses end with an error)", name, num_open)
-            stop.set()
+def _begin_shutdown(ctx: ServerContext, name: str) -> None:
+    num_open = ctx.io.begin_shutdown()
+    logger.info("%s: shutting down (%d open responses end with an error)", name, num_open)
 
 
 def run(engine: InferenceEngine, options: ServeOptions,
