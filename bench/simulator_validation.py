@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(row["rel_error"] for row in report["metrics"].values())
         runs.append({"trace": name, "num_requests": num, "rate": rate, "burstiness": burstiness,
                      "input_len": input_len, "output_len": output_len, "settings": settings,
-                     "num_blocks": report["num_blocks"], "serving_slowdown": report["serving_slowdown"],
-                     "serving_step_ms": report["serving_step_ms"],
+                     "num_blocks": report["num_blocks"], "serving_step_ms": report["serving_step_ms"],
                      "serving_row_ms": report["serving_row_ms"],
                      "serving_request_ms": report["serving_request_ms"],
                      "total_preemptions_simulated": report["simulated"]["total_preemptions"],

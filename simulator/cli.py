@@ -156,7 +156,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     fit, measured = calibrate(args.model, args.profile, args.config, config_overrides(args),
                               out.with_suffix(""))
-    print(f"serving: steps x{fit.serving_slowdown:.3f}, {fit.serving_row_ms:.2f} ms a row, "
+    print(f"serving: {fit.serving_step_ms:.1f} ms a step, {fit.serving_row_ms:.2f} ms a row, "
           f"{fit.serving_request_ms:.0f} ms a request (probe: {measured['completed']} requests, {measured['output_throughput']:.1f} output tok/s)")
     print(f"wrote {fit.save(out)}")
     return 0
@@ -169,8 +169,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise ValueError("ksana simulate validate needs --model")
     report = validate(args.model, args.trace, args.profile, args.config, config_overrides(args), args.out,
                       seed=args.seed, progress=not args.no_progress, calibrate_first=not args.no_calibrate)
-    print(f"serving: steps x{report['serving_slowdown']:.3f} + {report['serving_step_ms']:.2f} ms, "
-          f"{report['serving_row_ms']:.2f} ms a row, {report['serving_request_ms']:.0f} ms a request")
+    print(f"serving: {report['serving_step_ms']:.1f} ms a step, {report['serving_row_ms']:.2f} ms a row, "
+          f"{report['serving_request_ms']:.0f} ms a request")
     print(format_table(report["metrics"]))
     print(f"wrote {args.out}")
     return 0

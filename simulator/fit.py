@@ -46,10 +46,8 @@ class LatencyFit:
     engine: FittedModel
     baseline: FittedModel  # DistServe's three terms on the worker's time, for comparison
     groups: dict[str, FittedModel]
-    # How much slower a step runs when serving than perf mode measured it (``ksana simulate calibrate``): the
-    # load generator and the loop's HTTP work take a share of the forward's cores, whatever the step.
-    serving_slowdown: float = 1.0
-    # ... plus a fixed cost a step,
+    # What a step costs more when serving than perf mode measured (``ksana simulate calibrate``): the streams'
+    # events (HTTP, the client) and hand-offs take the forward's cores for a while each step ...
     serving_step_ms: float = 0.0
     # ... and per row: a row's token is an event, an SSE chunk and a parse in the client, on the same cores.
     serving_row_ms: float = 0.0
@@ -59,7 +57,7 @@ class LatencyFit:
 
     def worker_s(self, shape: StepShape) -> float:
         serving_ms = self.serving_step_ms + self.serving_row_ms * len(shape.rows)
-        return (max(0.0, self.worker.model.predict(shape.features())) * self.serving_slowdown + serving_ms) / 1000
+        return (max(0.0, self.worker.model.predict(shape.features())) + serving_ms) / 1000
 
     def engine_s(self, shape: StepShape) -> float:
         return max(0.0, self.engine.model.predict(shape.features())) / 1000
@@ -69,8 +67,7 @@ class LatencyFit:
                 "provenance": self.provenance, "worker_ms": self.worker.to_json(),
                 "engine_ms": self.engine.to_json(), "baseline_worker_ms": self.baseline.to_json(),
                 "groups_ms": {name: model.to_json() for name, model in self.groups.items()},
-                "serving_slowdown": self.serving_slowdown, "serving_step_ms": self.serving_step_ms,
-                "serving_row_ms": self.serving_row_ms,
+                "serving_step_ms": self.serving_step_ms, "serving_row_ms": self.serving_row_ms,
                 "serving_request_ms": self.serving_request_ms,
                 "calibration": self.calibration}
 
@@ -89,7 +86,6 @@ class LatencyFit:
                        worker=_fitted(data["worker_ms"]), engine=_fitted(data["engine_ms"]),
                        baseline=_fitted(data["baseline_worker_ms"]),
                        groups={name: _fitted(g) for name, g in data["groups_ms"].items()},
-                       serving_slowdown=float(data.get("serving_slowdown", 1.0)),
                        serving_step_ms=float(data.get("serving_step_ms", 0.0)),
                        serving_row_ms=float(data.get("serving_row_ms", 0.0)),
                        serving_request_ms=float(data.get("serving_request_ms", 0.0)),

@@ -128,7 +128,6 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
                              dataset=str(trace), seed=seed, goodput=None, percentiles=PERCENTILES)
     metrics = compare(measured, simulated)
     report = {"metrics": metrics, "trace": str(trace), "profile": str(profile), "model": model,
-              "serving_slowdown": setup.fit.serving_slowdown,
               "serving_step_ms": setup.fit.serving_step_ms, "serving_row_ms": setup.fit.serving_row_ms,
               "serving_request_ms": setup.fit.serving_request_ms,
               "settings": {k: v for k, v in overrides.items() if v is not None}, "num_blocks": num_blocks,

@@ -56,11 +56,10 @@ def test_a_killed_decode_node_s_streams_end_with_an_error_and_the_rest_go_on(clu
     router, prefills, decodes = cluster
     outcomes = [{} for _ in range(4)]  # least in-flight: one stream on each of the four pairs
     threads = [threading.Thread(target=_stream, args=(router.url, outcome)) for outcome in outcomes]
-    for thread in threads:
+    for started, thread in enumerate(threads, start=1):
         thread.start()
-        _wait_for(lambda: decodes[0].metrics()["kv_transfer_received_num"]
-                  + decodes[1].metrics()["kv_transfer_received_num"] >= threads.index(thread) + 1,
-                  "the stream's first token")
+        _wait_for(lambda started=started: decodes[0].metrics()["kv_transfer_received_num"]
+                  + decodes[1].metrics()["kv_transfer_received_num"] >= started, "the stream's first token")
     _wait_for(lambda: all(o.get("started") for o in outcomes), "every stream to start")
     victim, survivor = decodes
     victim.proc.kill()

@@ -51,16 +51,15 @@ def test_a_lone_request_follows_the_fit(tmp_path, identity, async_scheduling):
 
 
 def test_a_calibrated_fit_adds_its_serving_costs_to_every_step_and_request(tmp_path, identity):
-    """Steps 1.5 times slower, 5 ms more a step and 2 ms a row; the first request reaches the engine 30 ms after
-    its arrival, from which its latencies count."""
-    setup = _setup(tmp_path, identity, serving_slowdown=1.5, serving_step_ms=5.0, serving_row_ms=2.0,
-                   serving_request_ms=30.0)
+    """5 ms more a step and 2 ms a row; the first request reaches the engine 30 ms after its arrival, from which
+    its latencies count."""
+    setup = _setup(tmp_path, identity, serving_step_ms=5.0, serving_row_ms=2.0, serving_request_ms=30.0)
     result = run_simulation(setup, [TraceRequest(0.0, 100, 3), TraceRequest(0.0, 100, 3)], progress=False)
-    # the first prefill ((10 + 10) x 1.5 + 5 + 2 ms), its decode (10 x 1.5 + 5 + 2), the second prefill beside a
-    # decode ((10 + 10) x 1.5 + 5 + 2 x 2), two decodes
-    assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.037, 0.022, 0.039, 0.022, 0.022]
-    assert _ms(result.timelines[0].token_times_s) == [67.0, 89.0, 128.0]
-    assert _ms(result.timelines[1].token_times_s) == [128.0, 150.0, 172.0]
+    # the first prefill (10 + 10 + 5 + 2 ms), its decode (10 + 5 + 2), the second prefill beside a decode
+    # (10 + 10 + 5 + 2 x 2), two decodes
+    assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.027, 0.017, 0.029, 0.017, 0.017]
+    assert _ms(result.timelines[0].token_times_s) == [57.0, 74.0, 103.0]
+    assert _ms(result.timelines[1].token_times_s) == [103.0, 120.0, 137.0]
 
 
 def test_calibration_scores_the_requests_median_log_error():
@@ -70,6 +69,10 @@ def test_calibration_scores_the_requests_median_log_error():
     off = {"requests": [{"success": True, "e2el": 2.2, "ttft": 0.22, "tpot": 0.022}] * 3}
     assert mismatch(measured, off) == pytest.approx(math.log(1.1))
     assert mismatch(measured, measured) == 0.0
+    # by phase: the mean of each phase's median, so a large phase does not outvote a small one
+    mixed = {"requests": off["requests"][:1] + measured["requests"][1:]}
+    assert mismatch(measured, mixed) == 0.0
+    assert mismatch(measured, mixed, [range(0, 1), range(1, 3)]) == pytest.approx(math.log(1.1) / 2)
     failed = {"requests": [{"success": False, "e2el": 0.0, "ttft": 0.0, "tpot": None}] * 3}
     assert mismatch(measured, failed) == math.inf
 
