@@ -5,9 +5,14 @@ the trace with the load generator, simulate it with the same settings, compare.
     python bench/simulator_validation.py                      # smollm2: profile, calibrate, three traces (~12 min)
     python bench/simulator_validation.py --profile fit.json   # reuse a (calibrated) fit
     python bench/simulator_validation.py --quick              # the demo model, small traces
+    python bench/simulator_validation.py --noise              # the measurement against itself (no simulation)
 
 Target: every metric within 10% of the measurement (TTFT p50/p90, TPOT p50/p90, ITL p50, E2EL p50, output
 throughput). Writes ``bench/results/simulator_validation_<machine kind>.json``.
+
+``--noise`` measures each trace twice against fresh servers and sets the two side by side, the same table: how
+far the measurement itself moves from run to run on this machine, the floor under the simulator's errors. Writes
+``bench/results/simulator_noise_<machine kind>.json``.
 """
 
 from __future__ import annotations
@@ -44,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="default smollm2 (demo with --quick)")
     parser.add_argument("--profile", help="a latency fit or perf result (default: profile and calibrate first)")
     parser.add_argument("--quick", action="store_true", help="the demo model and two small traces")
+    parser.add_argument("--noise", action="store_true", help="measure each trace twice, no simulation")
     parser.add_argument("--out", help="result JSON (default bench/results/simulator_validation_<machine>.json)")
     args = parser.parse_args(argv)
+    if args.noise:
+        return measure_noise(args)
     model = args.model or ("demo" if args.quick else "smollm2")
     traces = QUICK if args.quick else TRACES
     kind = "quick" if args.quick else machine_info()["kind"]
@@ -71,6 +79,30 @@ def main(argv: list[str] | None = None) -> int:
                      "metrics": report["metrics"], "max_rel_error": worst, "met": worst <= TARGET})
     write_json({"model": model, "profile": str(profile), "target_rel_error": TARGET, "runs": runs,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, out)
+    return 0
+
+
+def measure_noise(args: argparse.Namespace) -> int:
+    """Each trace measured twice, each time against a fresh server: the relative differences, as a validation's."""
+    from ksana.simulator.validate import compare, measure, server_flags
+
+    model = args.model or ("demo" if args.quick else "smollm2")
+    traces = QUICK if args.quick else TRACES
+    kind = "quick" if args.quick else machine_info()["kind"]
+    out = Path(args.out or RESULTS / f"simulator_noise_{kind}.json")
+    work = Path(tempfile.mkdtemp(prefix="simulator-noise-"))
+    runs = []
+    for name, ((num, rate, input_len, output_len, burstiness, seed), settings) in traces.items():
+        trace = write_trace(work / f"{name}.jsonl", synthetic_trace(num, rate, input_len, output_len, burstiness,
+                                                                    seed))
+        print(f"== {name}: measured twice", flush=True)
+        first, _ = measure(model, server_flags(settings, None), trace, 0)
+        second, _ = measure(model, server_flags(settings, None), trace, 0)
+        metrics = compare(first, second)
+        print(format_table(metrics).replace("simulated", "   again"), flush=True)
+        runs.append({"trace": name, "num_requests": num, "rate": rate, "settings": settings, "metrics": metrics,
+                     "max_rel_error": max(row["rel_error"] for row in metrics.values())})
+    write_json({"model": model, "runs": runs, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, out)
     return 0
 
 

@@ -151,6 +151,14 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
                *_at_most(run["max_rel_error"] * 100, target * 100, f"{target:.0%} each"))
 
 
+def simulator_noise_rows(report: dict[str, Any]) -> Iterator[Row]:
+    for run in report["runs"]:
+        errors = ", ".join(f"{SIMULATOR_METRICS[k]} {v['rel_error']:.1%}" for k, v in run["metrics"].items())
+        figure = (f"the measurement against itself (a second run, fresh server), `{report['model']}`, {run['trace']}; "
+                  "relative difference")
+        yield figure, f"{run['max_rel_error']:.1%} at most ({errors})", "", ""
+
+
 def simulator_speed_rows(report: dict[str, Any]) -> Iterator[Row]:
     per_10000 = report["wall_s"] * 10_000 / report["num_requests"]
     figure = (f"simulator: {report['num_requests']:,} requests at {report['rate']:g}/s, {report['num_steps']:,} "
@@ -179,6 +187,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "tp": ("tp.py", tp_rows),
     "kernels": ("kernel_ops.py", kernels_rows),
     "simulator_validation": ("simulator_validation.py", simulator_rows),
+    "simulator_noise": ("simulator_validation.py --noise", simulator_noise_rows),
     "simulator_speed": ("simulator_speed.py", simulator_speed_rows),
     "pd_serving": ("pd_serving.py", pd_serving_rows),
 }
