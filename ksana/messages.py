@@ -211,6 +211,7 @@ class KVArrived:
     first_token: int
     num_tokens: int
     logprob: float = 0.0  # the first token's
+    error: str | None = None  # the K/V came but cannot be used (it does not fit this node's cache)
 
 
 @attrs.frozen

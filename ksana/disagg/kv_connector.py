@@ -75,6 +75,9 @@ class KVConnector:
         self.expire_s = expire_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.on_arrival: Callable[[KVArrived], None] | None = None
+        # The bytes a prompt of so many tokens takes in this node's cache (``KVCache.payload_bytes``): K/V of
+        # another size (a peer serving another model or dtype) is refused, not installed.
+        self.expected_bytes: Callable[[int], int] | None = None
         self.pairs: dict[str, _Pair] = {}
         self._inbox: dict[int, ReceivedKV] = {}
         self._lock = threading.Condition()
@@ -164,6 +167,15 @@ class KVConnector:
             transfer_id, first_token, num_tokens, num_bytes = (int(v) for v in header[:4].tolist())
             payload = torch.empty(num_bytes, dtype=torch.uint8)
             pair.group.recv([payload], pair.peer, _PAYLOAD_TAG).wait()
+            expected = self.expected_bytes(num_tokens) if self.expected_bytes is not None else num_bytes
+            if num_bytes != expected:
+                logger.warning("KV of transfer %d refused: %d bytes where this cache takes %d", transfer_id,
+                               num_bytes, expected)
+                if self.on_arrival is not None:
+                    self.on_arrival(KVArrived(transfer_id, first_token, num_tokens, error=(
+                        f"the prefill node's KV cache ({num_bytes} bytes for {num_tokens} tokens) does not fit "
+                        f"this node's ({expected} bytes): the pair serves different models or dtypes")))
+                continue
             now = time.monotonic()
             with self._lock:
                 for tid in [t for t, kv in self._inbox.items() if now - kv.received_at > self.expire_s]:

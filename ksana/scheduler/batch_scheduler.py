@@ -173,6 +173,8 @@ class BatchScheduler:
         return deltas
 
     def _take_first_token(self, request: InferRequest, msg: KVArrived) -> RequestDelta:
+        if msg.error is not None:
+            return self._end_unscheduled(request, FinishReason.ERROR, msg.error)
         if msg.num_tokens != request.num_prompt_tokens:
             return self._end_unscheduled(request, FinishReason.ERROR, (
                 f"the prefill node sent the KV cache of {msg.num_tokens} tokens for a prompt of "

@@ -133,6 +133,7 @@ def _node_agent(engine: InferenceEngine, options: ServeOptions) -> NodeAgent:
     tp_size = engine.config.setting.global_.tensor_para_size
     connector = KVConnector(connector_setting.group_role, host=options.host,
                             expire_s=float(connector_setting.connector_waiting_sec), tp_size=tp_size)
+    connector.expected_bytes = engine.kv_cache.payload_bytes
     engine.runner.kv_connector = connector
     tp_runner = engine.tp_runner
 

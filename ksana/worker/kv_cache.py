@@ -114,6 +114,11 @@ class KVCache:
             blocks = chunks[i].view(len(ids), *tensor.shape[1:])
             tensor.index_copy_(0, ids[skip_blocks:], blocks[skip_blocks:])
 
+    def payload_bytes(self, num_tokens: int) -> int:
+        """The size of ``gather_blocks``' bytes for ``num_tokens`` positions of this cache."""
+        k0 = self.layers[0][0]
+        return -(-num_tokens // self.block_size) * k0[0].numel() * k0.element_size() * 2 * len(self.layers)
+
     def _block_index(self, block_ids: tuple[int, ...], num_tokens: int) -> torch.Tensor:
         if self.swa_layers:
             raise ValueError("moving a sequence's KV between nodes needs one block pool (no separate SWA pool)")

@@ -117,6 +117,7 @@ def run_rank(group: TPGroup) -> None:
                 if runner.kv_connector is None:
                     runner.kv_connector = KVConnector(message.role, message.host, message.expire_s, tp_rank=rank,
                                                       tp_size=group.world_size)
+                    runner.kv_connector.expected_bytes = kv_cache.payload_bytes
                 runner.kv_connector.connect(message.comm_key, message.comm_id)
                 continue
             plan, layer_forward_round, runner.last_sampled = message

@@ -63,3 +63,25 @@ def test_a_prompt_s_blocks_and_first_token_reach_the_decode_cache(head_major):
 def test_a_pair_that_is_not_connected_drops_the_send():
     prefill = KVConnector("prefill")
     assert not prefill.send("p__d", KVArrived(1, 2, 3), torch.zeros(4, dtype=torch.uint8))
+
+
+def test_kv_that_does_not_fit_this_cache_is_refused_with_a_reason():
+    """A peer serving another model or dtype: its bytes are read off the wire and reported, never installed."""
+    prefill, decode = KVConnector("prefill"), KVConnector("decode")
+    cache = KVCache.allocate(_Shape, 8, 4, torch.float32, "cpu")
+    decode.expected_bytes = cache.payload_bytes
+    arrivals: list[KVArrived] = []
+    arrived = threading.Event()
+    decode.on_arrival = lambda msg: (arrivals.append(msg), arrived.set())
+    comm_id = prefill.comm_id()
+    prefill.connect("p__d", comm_id)
+    decode.connect("p__d", comm_id)
+    _wait(lambda: prefill.is_connected("p__d") and decode.is_connected("p__d"), "the pair to form")
+    half = KVCache.allocate(_Shape, 8, 4, torch.bfloat16, "cpu").gather_blocks((0, 1), 6)
+    assert half.numel() * 2 == cache.payload_bytes(6)
+    assert prefill.send("p__d", KVArrived(5, 17, 6), half)
+    assert arrived.wait(60)
+    (msg,) = arrivals
+    assert msg.transfer_id == 5 and "does not fit" in msg.error and "different models or dtypes" in msg.error
+    with pytest.raises(KVTransferError):
+        decode.take(5)

@@ -99,3 +99,11 @@ def test_kv_of_another_length_than_the_prompt_is_an_error():
     s.add_request(_request("r", 6, "decode", 9))
     delta = s.kv_arrived(KVArrived(9, 55, 8), now=0.0)
     assert delta.finish_reason == FinishReason.ERROR.value and "8 tokens for a prompt of 6" in delta.error
+
+
+def test_kv_the_connector_refused_ends_the_request_with_its_reason():
+    s = _scheduler()
+    s.add_request(_request("r", 6, "decode", 9))
+    delta = s.kv_arrived(KVArrived(9, 55, 6, error="the prefill node's KV cache does not fit"), now=0.0)
+    assert delta.finish_reason == FinishReason.ERROR.value and delta.error == "the prefill node's KV cache does not fit"
+    assert not s.has_unfinished and "r" not in s.requests
