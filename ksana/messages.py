@@ -4,7 +4,7 @@ The loop routes by type, so each type has exactly one handling actor:
 - scheduler: ``AddRequest``, ``AddRequests``, ``AbortRequest``, ``StepResult``;
 - cache manager: ``AllocateStepBlocks`` (request/reply), ``FreeRequestBlocks``, ``GetCacheStats`` (request/reply);
 - worker: ``ExecuteStep``;
-- scheduler, from the KV transfer actor (prefill/decode disaggregation): ``KVArrived``;
+- scheduler, from the worker actor on a decode node (prefill/decode disaggregation): ``KVArrived``;
 - I/O actor (or ModelPerfBackend, or the simulator's workload replayer): ``TokensOut``.
 A step costs a constant number of messages whatever the batch size: one ``ExecuteStep``, one ``StepResult``, one
 ``TokensOut`` and at most one block exchange (none when the plan needs no new block and frees none; finished
