@@ -34,6 +34,6 @@ def test_a_tensor_parallel_pair_serves_what_a_standalone_server_does(tp_pair):
         direct = standalone.client.post("/v1/completions", json=body).json()["choices"][0]["text"]
         routed = httpx2.post(router.url + "/v1/completions", json=body, timeout=60).json()
         assert routed["choices"][0]["text"] == direct
-    assert prefill.metrics()["kv_transfer_sent_num"] == len(PROMPT_LENGTHS)
+    prefill.wait_metrics(lambda m: m["kv_transfer_sent_num"] == len(PROMPT_LENGTHS))
     for node in (prefill, decode):
         node.wait_metrics(lambda m: m["block_manager_request_num"] == 0)
