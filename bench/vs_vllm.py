@@ -42,6 +42,7 @@ import httpx2  # noqa: E402
 import orjson  # noqa: E402
 
 from ksana.bench.results import default_out, write_json  # noqa: E402
+from ksana.server.process import stop_process  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -134,13 +135,7 @@ class Server:
         self.model_id = wait_models(self.url, self.proc, STARTUP_TIMEOUT_S, self.log)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
         self.log.unlink(missing_ok=True)
 
 

@@ -54,14 +54,8 @@ class ServeProcess:
         return Path(self.log.name).read_text()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM (a graceful shutdown), SIGKILL if it outlives ``timeout_s``; then drop the log."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Stop it (``stop_process``), then drop the log."""
+        stop_process(self.proc, timeout_s)
         self.log.close()
         os.unlink(self.log.name)
 
@@ -70,3 +64,14 @@ class ServeProcess:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (a server's graceful shutdown), SIGKILL if it outlives ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

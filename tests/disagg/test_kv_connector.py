@@ -11,6 +11,7 @@ import torch
 from ksana.disagg.kv_connector import KVConnector, KVTransferError
 from ksana.messages import KVArrived
 from ksana.worker.kv_cache import KVCache
+from tests.disagg import wait_for
 
 
 class _Shape:
@@ -20,26 +21,23 @@ class _Shape:
     sliding_windows = (None, None, None)
 
 
-def _wait(predicate, what: str, timeout_s: float = 60.0) -> None:
-    event = threading.Event()
-    for _ in range(int(timeout_s * 100)):
-        if predicate():
-            return
-        event.wait(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.mark.parametrize("head_major", [False, True])
-def test_a_prompt_s_blocks_and_first_token_reach_the_decode_cache(head_major):
+def _connected_pair(expected_bytes=None) -> tuple[KVConnector, KVConnector, list[KVArrived], threading.Event]:
+    """A prefill and a decode connector joined in one pair, and the decode side's arrivals as they come."""
     prefill, decode = KVConnector("prefill"), KVConnector("decode")
+    decode.expected_bytes = expected_bytes
     arrivals: list[KVArrived] = []
     arrived = threading.Event()
     decode.on_arrival = lambda msg: (arrivals.append(msg), arrived.set())
     comm_id = prefill.comm_id()
     prefill.connect("p__d", comm_id)
     decode.connect("p__d", comm_id)
-    _wait(lambda: prefill.is_connected("p__d") and decode.is_connected("p__d"), "the pair to form")
+    wait_for(lambda: prefill.is_connected("p__d") and decode.is_connected("p__d"), "the pair to form")
+    return prefill, decode, arrivals, arrived
 
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_a_prompt_s_blocks_and_first_token_reach_the_decode_cache(head_major):
+    prefill, decode, arrivals, arrived = _connected_pair()
     source = KVCache.allocate(_Shape, 8, 4, torch.float32, "cpu", head_major=head_major)
     for k, v in source.layers:
         k.normal_()
@@ -54,7 +52,7 @@ def test_a_prompt_s_blocks_and_first_token_reach_the_decode_cache(head_major):
     for (sk, sv), (tk, tv) in zip(source.layers, target.layers, strict=True):
         assert torch.equal(sk[[5, 2, 7]], tk[[0, 3, 1]])
         assert torch.equal(sv[[5, 2, 7]], tv[[0, 3, 1]])
-    _wait(lambda: prefill.num_sent == 1, "the sender to count its send")  # it counts once the send returns
+    wait_for(lambda: prefill.num_sent == 1, "the sender to count its send")  # it counts once the send returns
     assert decode.num_received == 1
     assert decode.bytes_received == payload.numel() == 3 * 4 * 2 * 8 * 4 * 2 * 3
     with pytest.raises(KVTransferError, match="transfer 42"):
@@ -68,16 +66,8 @@ def test_a_pair_that_is_not_connected_drops_the_send():
 
 def test_kv_that_does_not_fit_this_cache_is_refused_with_a_reason():
     """A peer serving another model or dtype: its bytes are read off the wire and reported, never installed."""
-    prefill, decode = KVConnector("prefill"), KVConnector("decode")
     cache = KVCache.allocate(_Shape, 8, 4, torch.float32, "cpu")
-    decode.expected_bytes = cache.payload_bytes
-    arrivals: list[KVArrived] = []
-    arrived = threading.Event()
-    decode.on_arrival = lambda msg: (arrivals.append(msg), arrived.set())
-    comm_id = prefill.comm_id()
-    prefill.connect("p__d", comm_id)
-    decode.connect("p__d", comm_id)
-    _wait(lambda: prefill.is_connected("p__d") and decode.is_connected("p__d"), "the pair to form")
+    prefill, decode, arrivals, arrived = _connected_pair(cache.payload_bytes)
     half = KVCache.allocate(_Shape, 8, 4, torch.bfloat16, "cpu").gather_blocks((0, 1), 6)
     assert half.numel() * 2 == cache.payload_bytes(6)
     assert prefill.send("p__d", KVArrived(5, 17, 6), half)

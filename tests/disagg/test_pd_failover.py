@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from ksana.router.process import RouterProcess
-from tests.disagg.test_pd_serving import _node, _prompt_ids, _wait_for
+from tests.disagg import wait_for
+from tests.disagg.test_pd_serving import _node, _prompt_ids
 
 HEARTBEAT_TIMEOUT_S = 3
 
@@ -28,7 +29,7 @@ def cluster(tmp_path_factory):
         for node in nodes:
             node.wait_ready()
         for node in nodes:
-            _wait_for(lambda node=node: node.metrics().get("kv_transfer_pair_num") == 2, "every pair to connect")
+            wait_for(lambda node=node: node.metrics().get("kv_transfer_pair_num") == 2, "every pair to connect")
         yield router, prefills, decodes
     finally:
         for process in [*nodes, router]:
@@ -58,9 +59,9 @@ def test_a_killed_decode_node_s_streams_end_with_an_error_and_the_rest_go_on(clu
     threads = [threading.Thread(target=_stream, args=(router.url, outcome)) for outcome in outcomes]
     for started, thread in enumerate(threads, start=1):
         thread.start()
-        _wait_for(lambda started=started: decodes[0].metrics()["kv_transfer_received_num"]
+        wait_for(lambda started=started: decodes[0].metrics()["kv_transfer_received_num"]
                   + decodes[1].metrics()["kv_transfer_received_num"] >= started, "the stream's first token")
-    _wait_for(lambda: all(o.get("started") for o in outcomes), "every stream to start")
+    wait_for(lambda: all(o.get("started") for o in outcomes), "every stream to start")
     victim, survivor = decodes
     victim.proc.kill()
     killed_at = time.monotonic()
@@ -78,7 +79,7 @@ def test_a_killed_decode_node_s_streams_end_with_an_error_and_the_rest_go_on(clu
         assert "decode node" in error["error"]["message"]
 
     # Once the killed node's heartbeat times out, its pairs are inactive and every request finds a live pair.
-    _wait_for(lambda: all(not p["is_active"] for p in httpx2.get(router.url + "/nodes").json()["pairs"]
+    wait_for(lambda: all(not p["is_active"] for p in httpx2.get(router.url + "/nodes").json()["pairs"]
                           if p["decode_addr"] == victim.url.removeprefix("http://")), "the dead pairs to go",
               timeout_s=HEARTBEAT_TIMEOUT_S + 10)
     body = {"model": "demo", "prompt": _prompt_ids(20), "max_tokens": 4, "temperature": 0.0}

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from ksana.router.process import RouterProcess
+from tests.disagg import wait_for
 from tests.server.conftest import ServerProcess
 
 BLOCK = 16
@@ -23,17 +24,6 @@ MAX_TOKENS = 8
 def _node(role: str, router_url: str, *extra: str) -> ServerProcess:
     return ServerProcess("--model", "demo", "--dtype", "float32", "--role", role, "--router", router_url,
                          "--heartbeat-interval-ms", "200", "--connector-waiting-sec", "5", *extra)
-
-
-def _wait_for(condition, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,7 @@ def pd(tmp_path_factory):
     decode.wait_ready()
     try:
         for node in (prefill, decode):
-            _wait_for(lambda node=node: node.metrics().get("kv_transfer_pair_num") == 1, "the pair to connect")
+            wait_for(lambda node=node: node.metrics().get("kv_transfer_pair_num") == 1, "the pair to connect")
         yield router, prefill, decode
     finally:
         for process in (decode, prefill, router):

@@ -7,7 +7,8 @@ import httpx2
 import pytest
 
 from ksana.router.process import RouterProcess
-from tests.disagg.test_pd_serving import MAX_TOKENS, PROMPT_LENGTHS, _node, _prompt_ids, _wait_for
+from tests.disagg import wait_for
+from tests.disagg.test_pd_serving import MAX_TOKENS, PROMPT_LENGTHS, _node, _prompt_ids
 from tests.server.conftest import ServerProcess
 
 
@@ -20,7 +21,7 @@ def tp_pair(tmp_path_factory):
         for process in (*nodes, standalone):
             process.wait_ready()
         for node in nodes:
-            _wait_for(lambda node=node: node.metrics().get("kv_transfer_pair_num") == 1, "the pair to connect")
+            wait_for(lambda node=node: node.metrics().get("kv_transfer_pair_num") == 1, "the pair to connect")
         yield router, nodes, standalone
     finally:
         for process in (*nodes, standalone, router):
