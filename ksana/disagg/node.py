@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import attrs
+import httpx2
 import trio
 
 from ksana.disagg.kv_connector import KVConnector
@@ -40,6 +41,7 @@ class NodeAgent:
     device_type: str = "cpu"
     node_id: str | None = None
     comm_ids: dict[str, str] = attrs.field(factory=dict)  # pair -> comm id joined
+    http: httpx2.AsyncClient | None = None  # one connection pool for the agent's life (``run``)
 
     def registration(self) -> client.NodeRegistration:
         """``/RegisterNode``'s body: one node (rank 0) holding every device of its tensor-parallel group."""
@@ -53,10 +55,14 @@ class NodeAgent:
 
     async def run(self) -> None:
         """Register (retrying while the router is away), then heartbeat until cancelled."""
+        async with httpx2.AsyncClient(trust_env=False) as self.http:
+            await self._beat_forever()
+
+    async def _beat_forever(self) -> None:
         while True:
             try:
                 if self.node_id is None:
-                    answer = await client.register_node(self.router_url, self.registration())
+                    answer = await client.register_node(self.router_url, self.registration(), client=self.http)
                     self.node_id = answer["node_id"]
                     logger.info("registered with router %s as %s node %s", self.router_url, self.role, self.node_id)
                 await self.heartbeat()
@@ -67,7 +73,7 @@ class NodeAgent:
             await trio.sleep(self.heartbeat_interval_s)
 
     async def heartbeat(self) -> None:
-        answer = await client.heartbeat(self.router_url, self.node_id)
+        answer = await client.heartbeat(self.router_url, self.node_id, client=self.http)
         comm_ids: dict[str, str] = answer.get("comm_group_to_id") or {}
         for comm_key, devices in (answer.get("comm_group_to_address") or {}).items():
             if len(devices) != 2 * self.num_devices:
@@ -77,7 +83,7 @@ class NodeAgent:
             comm_id = comm_ids.get(comm_key) or ""
             if self.role == "prefill" and not comm_id:
                 comm_id = self.connector.comm_id()
-                await client.register_comm_id(self.router_url, self.node_id, comm_key, comm_id)
+                await client.register_comm_id(self.router_url, self.node_id, comm_key, comm_id, client=self.http)
             if comm_id and self.comm_ids.get(comm_key) != comm_id:
                 logger.info("joining pair %s (comm id %s)", comm_key, comm_id)
                 await self.join(comm_key, comm_id)
