@@ -22,6 +22,8 @@ from ksana.kernels.attention_metadata import AttentionMetadata
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FAMILIES = ("llama", "qwen2", "qwen2-mixed-swa", "mistral")
+# DeepSeek-V3 (MLA, MoE): with a q_lora_rank, and with a plain q_proj (q_lora_rank None).
+DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v3-no-q-lora")
 FORMATS = ("safetensors", "sharded-safetensors", "bin", "sharded-bin")
 VOCAB_SIZE = 512
 # An id the random models rarely favour, so greedy runs do not stop early unless a test wants them to.
@@ -54,6 +56,31 @@ _FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "mistral": dict(model_type="mistral", num_key_value_heads=1, sliding_window=20),
 }
+_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    num_key_value_heads=4,
+    head_dim=None,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    rope_interleave=True,
+    num_nextn_predict_layers=0,
+)
+_FAMILY_CONFIGS |= {
+    "deepseek_v3": _DEEPSEEK_V3,
+    "deepseek_v3-no-q-lora": {**_DEEPSEEK_V3, "q_lora_rank": None, "rope_interleave": False},
+}
 
 
 def tiny_config(family: str, **config_overrides: Any):
@@ -63,6 +90,8 @@ def tiny_config(family: str, **config_overrides: Any):
     if family not in _FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     kwargs = {**_BASE, **_FAMILY_CONFIGS[family], **config_overrides}
+    if kwargs.get("head_dim", 0) is None:
+        del kwargs["head_dim"]  # DeepSeek-V3's config derives it (the rope head size)
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
@@ -74,13 +103,16 @@ def make_hf_model(family: str, seed: int = 0, **config_overrides: Any):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Norm weights initialise to ones and biases to zeros; perturb them so a swapped or skipped norm or bias shows
-    # in the logits.
+    # in the logits (DeepSeek's expert-choice bias too: it must steer the choice and nothing else).
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.02)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.generation_config.eos_token_id = EOS_TOKEN_ID
     return model.eval()
 

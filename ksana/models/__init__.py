@@ -1,4 +1,4 @@
-"""Model families (Llama, Qwen2, Mistral) over a paged KV cache, and their loader."""
+"""Model families (Llama, Qwen2, Mistral, DeepSeek-V3) over a paged KV cache, and their loader."""
 
 from ksana.models.base import CausalLM
 from ksana.models.registry import load_model

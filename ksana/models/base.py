@@ -64,6 +64,11 @@ class CausalLM(torch.nn.Module):
         """Checkpoint tensors that are expected but unused (e.g. a tied ``lm_head.weight``)."""
         return frozenset()
 
+    def fill_missing_weights(self, missing: set[str]) -> set[str]:
+        """Given the slots the checkpoint did not fill, stand in for those the model can do without (an optional
+        module it then drops, a copy of a tensor it already holds); returns the names still missing."""
+        return missing
+
     def tie_lm_head(self) -> None:
         """Share the input embedding as output projection (checkpoint without ``lm_head.weight``)."""
         raise NotImplementedError

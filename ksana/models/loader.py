@@ -84,7 +84,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     """Fill every parameter of ``model`` from the checkpoint in ``model_dir``.
 
     Raises ValueError naming the tensor and file on a shape mismatch, and naming the missing tensors when the
-    checkpoint lacks some. A missing ``lm_head.weight`` means tied embeddings.
+    checkpoint lacks some. A missing ``lm_head.weight`` means tied embeddings; the model itself may stand in for
+    other missing tensors (``CausalLM.fill_missing_weights``: optional modules, shared copies).
     """
     slots = model.weight_slots()
     shards = model.weight_shards() if hasattr(model, "weight_shards") else {}
@@ -114,7 +115,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
             model_dir,
             ", ".join(unexpected[:5]),
         )
-    missing = sorted(set(slots) - loaded)
+    missing = sorted(model.fill_missing_weights(set(slots) - loaded))
     if missing == ["lm_head.weight"]:
         logger.info("no lm_head.weight in %s: tying it to the input embedding", model_dir)
         model.tie_lm_head()

@@ -9,7 +9,7 @@ from types import MappingProxyType
 import torch
 
 from ksana.models.base import CausalLM
-from ksana.models.decoder import DecoderForCausalLM
+from ksana.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana.models.llama import LlamaForCausalLM
 from ksana.models.loader import load_weights
 from ksana.models.mistral import MistralForCausalLM
@@ -18,8 +18,9 @@ from ksana.models.qwen2 import Qwen2ForCausalLM
 
 __all__ = ["MODEL_FAMILIES", "CausalLM", "load_model", "read_eos_token_ids"]
 
-MODEL_FAMILIES: MappingProxyType[str, type[DecoderForCausalLM]] = MappingProxyType(
-    {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}
+MODEL_FAMILIES: MappingProxyType[str, type[CausalLM]] = MappingProxyType(
+    {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
+     "deepseek_v3": DeepseekV3ForCausalLM}
 )
 
 

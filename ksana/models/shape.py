@@ -1,4 +1,15 @@
-"""The dimensions of a model that the rest of the engine sizes things by (KV cache, perf models)."""
+"""The dimensions of a model that the rest of the engine sizes things by (KV cache, perf models).
+
+A multi-head latent attention model (DeepSeek-V3: ``kv_lora_rank > 0``) caches one latent "head" per token
+instead of per-head keys and values: the K cache holds the normed latent (``kv_lora_rank`` wide) and the V cache
+the rotated decoupled key (``qk_rope_head_dim`` wide), one head each (``kv_cache_heads``, ``k_cache_dim``,
+``v_cache_dim``). Its ``num_kv_heads`` is 1 and ``head_dim`` the query/key head size
+(``qk_nope_head_dim + qk_rope_head_dim``), so the perf tools' per-head formulas stay defined.
+
+``num_mtp_layers``: the multi-token-prediction modules the model carries beyond ``num_layers`` (DeepSeek's
+next-n layers); each gets a KV cache layer of the same layout when the engine asks for them
+(``KVCache.allocate(..., extra_layers=shape.num_mtp_layers)``).
+"""
 
 from __future__ import annotations
 
@@ -24,16 +35,43 @@ class ModelShape:
     sliding_windows: list[int | None]
     eos_token_ids: list[int]
     dtype: torch.dtype
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (see the module docstring)
+    qk_rope_head_dim: int = 0
+    num_mtp_layers: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads per token in each layer's K and V cache."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def k_cache_dim(self) -> int:
+        return self.kv_lora_rank if self.is_mla else self.head_dim
+
+    @property
+    def v_cache_dim(self) -> int:
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    def kv_bytes_per_token_per_layer(self, dtype: torch.dtype) -> int:
+        """What one token's K and V take in one layer."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return self.kv_cache_heads * (self.k_cache_dim + self.v_cache_dim) * element_size
 
     @classmethod
     def from_hf_config(
         cls, config: Any, dtype: torch.dtype, eos_token_ids: list[int] | None = None
     ) -> ModelShape:
-        """Read a ``transformers`` config (llama, qwen2, mistral-style field names)."""
+        """Read a ``transformers`` config (llama, qwen2, mistral-style field names; DeepSeek-V3's MLA fields)."""
         num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         if eos_token_ids is None:
             eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
+        if getattr(config, "kv_lora_rank", None):
+            return cls._from_mla_config(config, dtype, eos_token_ids)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return cls(
             model_type=config.model_type,
             num_layers=config.num_hidden_layers,
@@ -47,6 +85,27 @@ class ModelShape:
             sliding_windows=sliding_windows_from_hf_config(config),
             eos_token_ids=eos_token_ids,
             dtype=dtype,
+        )
+
+
+    @classmethod
+    def _from_mla_config(cls, config: Any, dtype: torch.dtype, eos_token_ids: list[int]) -> ModelShape:
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=1,
+            head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_windows=[None] * config.num_hidden_layers,
+            eos_token_ids=eos_token_ids,
+            dtype=dtype,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            num_mtp_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
         )
 
 

@@ -5,6 +5,11 @@ and reaches the model through ``AttentionMetadata.block_tables`` / ``slot_mappin
 
 With the prefix cache on a sliding-window model, sliding layers get their own pool of ``num_swa_blocks`` blocks
 (indexed by SWA block ids, through ``AttentionMetadata.swa``); full-attention layers keep ``num_blocks``.
+
+A multi-head latent attention model (``ModelShape.is_mla``) caches per token and layer its normed KV latent in the
+K tensor and its rotated decoupled key in the V tensor, one head each: ``[num_blocks, block_size, 1,
+kv_lora_rank]`` and ``[num_blocks, block_size, 1, qk_rope_head_dim]``. ``extra_layers`` appends layers of the same
+layout after the model's own, indexed ``num_layers + i``: the KV of its multi-token-prediction modules.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class KVCache:
     block_size: int
     num_swa_blocks: int = 0  # > 0: the sliding layers (``swa_layers``) index a separate SWA pool
     swa_layers: tuple[int, ...] = ()
+    extra_layers: int = 0  # layers past the model's own (its MTP modules'), at the end of ``layers``
 
     @classmethod
     def allocate(
@@ -43,26 +49,28 @@ class KVCache:
         device: str | torch.device,
         num_swa_blocks: int = 0,
         head_major: bool = False,
+        extra_layers: int = 0,
     ) -> KVCache:
         """Zero-filled, so slots never written (padding in block tables) hold finite values under the mask; laid
         out as the device's kernels read it fastest (``kernels.dispatch.kv_cache_zeros``: on the CPU, huge pages
         where the system gives them).
 
         ``num_swa_blocks`` > 0 gives the sliding-window layers their own pool of that many blocks; ``head_major``
-        lays each block out head by head (see the class)."""
+        lays each block out head by head (see the class); ``extra_layers`` full-attention layers follow the model's
+        own (an MTP module's, ``shape.num_mtp_layers`` of them for all)."""
         swa_layers = tuple(i for i, w in enumerate(shape.sliding_windows) if w is not None) if num_swa_blocks else ()
+        heads, dims_kv = shape.kv_cache_heads, (shape.k_cache_dim, shape.v_cache_dim)
         layers = []
-        for i in range(shape.num_layers):
+        for i in range(shape.num_layers + extra_layers):
             blocks = num_swa_blocks if i in swa_layers else num_blocks
             if head_major:
-                dims = (blocks, shape.num_kv_heads, block_size, shape.head_dim)
-                pair = tuple(kv_cache_zeros(dims, dtype, device).transpose(1, 2) for _ in range(2))
+                pair = tuple(kv_cache_zeros((blocks, heads, block_size, d), dtype, device).transpose(1, 2)
+                             for d in dims_kv)
             else:
-                dims = (blocks, block_size, shape.num_kv_heads, shape.head_dim)
-                pair = tuple(kv_cache_zeros(dims, dtype, device) for _ in range(2))
+                pair = tuple(kv_cache_zeros((blocks, block_size, heads, d), dtype, device) for d in dims_kv)
             layers.append(pair)
         return cls(layers=layers, num_blocks=num_blocks, block_size=block_size, num_swa_blocks=num_swa_blocks,
-                   swa_layers=swa_layers)
+                   swa_layers=swa_layers, extra_layers=extra_layers)
 
     def block_tensors(self, fa_block_id: int, swa_block_id: int) -> dict[str, torch.Tensor]:
         """One block's K/V in every layer (sliding layers from ``swa_block_id`` when there is an SWA pool)."""
@@ -93,7 +101,7 @@ class KVCache:
 
     def gather_blocks(self, block_ids: tuple[int, ...], num_tokens: int) -> torch.Tensor:
         """The K/V of a sequence's first ``num_tokens`` positions (whole blocks, the last one partial) as one byte
-        tensor: every layer's keys then values, each ``[blocks, block_size, num_kv_heads, head_dim]``. A copy, so
+        tensor: every layer's keys then values, each ``[blocks, block_size, heads, dim]``. A copy, so
         the blocks may be reused as soon as it returns."""
         ids = self._block_index(block_ids, num_tokens)
         parts = [t.index_select(0, ids).reshape(-1) for pair in self.layers for t in pair]
@@ -104,20 +112,19 @@ class KVCache:
         """Write ``gather_blocks``' bytes (from a cache of the same shape and dtype) into ``block_ids``, but for the
         first ``skip_blocks``."""
         ids = self._block_index(block_ids, num_tokens)
-        k0 = self.layers[0][0]
-        values = payload.view(k0.dtype)
-        per_tensor = len(ids) * k0[0].numel()
-        if values.numel() != per_tensor * 2 * len(self.layers):
+        tensors = [t for pair in self.layers for t in pair]
+        values = payload.view(tensors[0].dtype)
+        sizes = [len(ids) * t[0].numel() for t in tensors]
+        if values.numel() != sum(sizes):
             raise ValueError(f"KV payload of {payload.numel()} bytes does not fit {len(ids)} blocks of this cache")
-        chunks = values.split(per_tensor)
-        for i, tensor in enumerate(t for pair in self.layers for t in pair):
-            blocks = chunks[i].view(len(ids), *tensor.shape[1:])
+        for tensor, chunk in zip(tensors, values.split(sizes), strict=True):
+            blocks = chunk.view(len(ids), *tensor.shape[1:])
             tensor.index_copy_(0, ids[skip_blocks:], blocks[skip_blocks:])
 
     def payload_bytes(self, num_tokens: int) -> int:
         """The size of ``gather_blocks``' bytes for ``num_tokens`` positions of this cache."""
-        k0 = self.layers[0][0]
-        return -(-num_tokens // self.block_size) * k0[0].numel() * k0.element_size() * 2 * len(self.layers)
+        per_block = sum(t[0].numel() * t.element_size() for pair in self.layers for t in pair)
+        return -(-num_tokens // self.block_size) * per_block
 
     def _block_index(self, block_ids: tuple[int, ...], num_tokens: int) -> torch.Tensor:
         if self.swa_layers:
@@ -126,7 +133,8 @@ class KVCache:
         return torch.tensor(block_ids[:num_blocks], dtype=torch.int64, device=self.layers[0][0].device)
 
     @staticmethod
-    def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers, keys and values."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element_size
+    def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+        """Bytes one block takes across all layers (and ``extra_layers`` more, as ``allocate``), keys and values:
+        an MLA model's latent and rotary key, ``kv_lora_rank + qk_rope_head_dim`` elements per token and layer."""
+        layers = shape.num_layers + extra_layers
+        return layers * block_size * shape.kv_bytes_per_token_per_layer(dtype)

@@ -1,0 +1,288 @@
+"""DeepSeek-V3: multi-head latent attention, a mixture of experts, and the multi-token-prediction (MTP) modules.
+
+Layers ``0 .. first_k_dense_replace - 1`` have a dense MLP, the rest a ``DeepseekMoE``; attention is ``MLAttention``
+(``mla_attention.py``), whose paged cache holds one latent "head" per token (``ModelShape`` and ``KVCache`` size it:
+``(kv_lora_rank + qk_rope_head_dim) * element_size`` bytes per token and layer). The ops come from ``KernelOps``
+one by one; the native CPU backend's fused all-layer decode step is the Llama decoder's and is never used here.
+Tensor parallelism is not implemented for this family.
+
+MTP modules. A checkpoint with ``num_nextn_predict_layers = n`` holds module ``i`` under ``model.layers.{L + i}``
+(``L = num_hidden_layers``): ``enorm``, ``hnorm``, ``eh_proj``, a decoder block (``self_attn``, ``mlp`` (a MoE),
+the two layer norms), ``shared_head.norm``, ``shared_head.head`` and often ``embed_tokens`` (a copy of the main
+table). They load into ``model.mtp_layers``; a missing ``embed_tokens``/``shared_head.head`` shares the main
+model's embedding/lm_head, and a module none of whose tensors are in the checkpoint is dropped (transformers'
+config claims one module by default), so ``model.num_mtp_layers`` (and ``model.shape.num_mtp_layers``) counts the
+modules the checkpoint really has. The interface:
+
+- ``mtp_forward(i, input_ids, positions, previous_hidden, kv_cache, meta) -> hidden [T, hidden]``: row ``t`` is
+  token ``input_ids[t]`` at ``positions[t]``, and ``previous_hidden[t]`` is the hidden state at the position before
+  it: the main model's final-normed output (what ``forward`` returns) for the first module, the previous MTP
+  step's returned hidden when a module is chained. Computes ``eh_proj([enorm(embed(ids)) ; hnorm(previous)])``
+  (that order, as DeepSeek's checkpoints and vLLM/transformers take it), then the block over the module's own
+  paged cache layer, and returns the block's output before ``shared_head.norm``.
+- ``mtp_compute_logits(i, hidden) -> [N, vocab]`` float32: ``shared_head.head(shared_head.norm(hidden))``.
+- The KV cache: module ``i`` reads and writes layer ``num_layers + i`` of a ``KVCache`` allocated with
+  ``KVCache.allocate(shape, ..., extra_layers=model.num_mtp_layers)`` (and sized with
+  ``KVCache.bytes_per_block(shape, block_size, dtype, extra_layers=...)``): same layout and block tables as the
+  main layers, so a sequence's blocks hold its MTP KV at the same slots.
+- Position 0 has no previous hidden state, and DeepSeek's MTP sequence starts at position 1 (its first entry
+  pairs ``h_0`` with token 1). So the module's layer hides key position 0 from every later query: a caller may
+  include a row at position 0 (with any finite ``previous_hidden``, zeros say) without changing any other row,
+  or skip it. (vLLM feeds the same pairs one position earlier and zeroes the embedding at its position 0; rotary
+  attention depends on relative positions only, so the rows here equal DeepSeek's.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ksana.kernels import mla
+from ksana.kernels.attention_metadata import AttentionMetadata
+from ksana.kernels.dispatch import KernelOps, get_ops
+from ksana.models.base import CausalLM, WeightSlot
+from ksana.models.decoder import OpProfiler, rope_from_hf_config
+from ksana.models.mla_attention import MLAttention
+from ksana.models.moe import DeepseekMoE, GatedMLP, empty_param
+from ksana.models.parallel import TPGroup
+from ksana.models.shape import ModelShape
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]
+
+
+class DeepseekV3Layer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, ops: KernelOps, device: torch.device):
+        super().__init__()
+        self.ops = ops
+        self.eps = float(config.rms_norm_eps)
+        self.self_attn = MLAttention(config, dtype, ops, device)
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp: nn.Module = DeepseekMoE(config, dtype, ops, device)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, ops, device)
+        self.input_norm_weight = empty_param((config.hidden_size,), dtype, device)
+        self.post_attention_norm_weight = empty_param((config.hidden_size,), dtype, device)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        return {
+            **self.self_attn.weight_slots(f"{prefix}.self_attn"),
+            **self.mlp.weight_slots(f"{prefix}.mlp"),
+            f"{prefix}.input_layernorm.weight": WeightSlot(self.input_norm_weight),
+            f"{prefix}.post_attention_layernorm.weight": WeightSlot(self.post_attention_norm_weight),
+        }
+
+    def set_ops(self, ops: KernelOps) -> None:
+        self.ops = self.self_attn.ops = self.mlp.ops = ops
+        if isinstance(self.mlp, DeepseekMoE) and self.mlp.shared is not None:
+            self.mlp.shared.ops = ops
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVLayer, meta: AttentionMetadata, first_key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(this layer's output, the residual stream before it)``: their sum is the layer's full output."""
+        if residual is None:
+            residual = hidden
+            hidden = self.ops.rms_norm(hidden, self.input_norm_weight, self.eps)
+        else:
+            hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, first_key)
+        hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm_weight, self.eps)
+        return self.mlp(hidden), residual
+
+
+class MTPLayer(nn.Module):
+    """One next-n module: its norms and projection, a decoder block, its shared head (and embedding)."""
+
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, ops: KernelOps, device: torch.device):
+        super().__init__()
+        hidden, vocab = config.hidden_size, config.vocab_size
+        self.enorm_weight = empty_param((hidden,), dtype, device)
+        self.hnorm_weight = empty_param((hidden,), dtype, device)
+        self.eh_proj_weight = empty_param((hidden, 2 * hidden), dtype, device)
+        self.block = DeepseekV3Layer(config, layer_idx, dtype, ops, device)
+        self.head_norm_weight = empty_param((hidden,), dtype, device)
+        self.embed_weight = empty_param((vocab, hidden), dtype, device)
+        self.head_weight = empty_param((vocab, hidden), dtype, device)
+
+    def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
+        return {
+            **self.block.weight_slots(prefix),
+            f"{prefix}.enorm.weight": WeightSlot(self.enorm_weight),
+            f"{prefix}.hnorm.weight": WeightSlot(self.hnorm_weight),
+            f"{prefix}.eh_proj.weight": WeightSlot(self.eh_proj_weight),
+            f"{prefix}.shared_head.norm.weight": WeightSlot(self.head_norm_weight),
+            f"{prefix}.shared_head.head.weight": WeightSlot(self.head_weight),
+            f"{prefix}.embed_tokens.weight": WeightSlot(self.embed_weight),
+        }
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        eos_token_ids: list[int] | None = None,
+        tp: TPGroup | None = None,
+    ):
+        super().__init__()
+        if tp is not None:
+            raise NotImplementedError("tensor parallelism is not implemented for DeepSeek-V3 (model_type "
+                                      f"{config.model_type!r}); set tensor_para_size to 1")
+        device = torch.device(device)
+        self.shape = ModelShape.from_hf_config(config, dtype, eos_token_ids)
+        self.rank_shape = self.shape
+        self.tp = None
+        self.ops = self.plain_ops = get_ops(device)
+        self.eps = float(config.rms_norm_eps)
+        hidden, vocab = config.hidden_size, config.vocab_size
+        self.embed_weight = empty_param((vocab, hidden), dtype, device)
+        self.layers = nn.ModuleList(
+            DeepseekV3Layer(config, i, dtype, self.ops, device) for i in range(config.num_hidden_layers))
+        self.norm_weight = empty_param((hidden,), dtype, device)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head_weight = self.embed_weight if self.tied else empty_param((vocab, hidden), dtype, device)
+        self.mtp_layers = nn.ModuleList(
+            MTPLayer(config, config.num_hidden_layers + i, dtype, self.ops, device)
+            for i in range(self.shape.num_mtp_layers))
+        inv_freq, self.attention_scaling = rope_from_hf_config(config, device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.profiler: OpProfiler | None = None
+        self.layer_forward_round = 1
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp_layers)
+
+    # ---- weights --------------------------------------------------------------------------------------------
+    def _mtp_prefix(self, index: int) -> str:
+        return f"model.layers.{self.shape.num_layers + index}"
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        slots = {"model.embed_tokens.weight": WeightSlot(self.embed_weight)}
+        for i, layer in enumerate(self.layers):
+            slots |= layer.weight_slots(f"model.layers.{i}")
+        slots["model.norm.weight"] = WeightSlot(self.norm_weight)
+        if not self.tied:
+            slots["lm_head.weight"] = WeightSlot(self.lm_head_weight)
+        for i, layer in enumerate(self.mtp_layers):
+            slots |= layer.weight_slots(self._mtp_prefix(i))
+        return slots
+
+    def ignored_weight_names(self) -> frozenset[str]:
+        names = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq"
+                 for i in range(self.shape.num_layers + self.shape.num_mtp_layers)}
+        if self.tied:
+            names.add("lm_head.weight")
+        return frozenset(names)
+
+    def fill_missing_weights(self, missing: set[str]) -> set[str]:
+        """Drop the trailing MTP modules the checkpoint has none of, share the main embedding/lm_head where a
+        module lacks its copy; the names still missing come back."""
+        missing = set(missing)
+        keep = self.num_mtp_layers
+        while keep and set(self.mtp_layers[keep - 1].weight_slots(self._mtp_prefix(keep - 1))) <= missing:
+            keep -= 1
+            missing -= set(self.mtp_layers[keep].weight_slots(self._mtp_prefix(keep)))
+        if keep < self.num_mtp_layers:
+            self.mtp_layers = self.mtp_layers[:keep]
+            self.shape = attrs.evolve(self.shape, num_mtp_layers=keep)
+            self.rank_shape = self.shape
+        for i, layer in enumerate(self.mtp_layers):
+            prefix = self._mtp_prefix(i)
+            if f"{prefix}.embed_tokens.weight" in missing:
+                layer.embed_weight = self.embed_weight
+                missing.discard(f"{prefix}.embed_tokens.weight")
+            if f"{prefix}.shared_head.head.weight" in missing:
+                layer.head_weight = self.lm_head_weight
+                missing.discard(f"{prefix}.shared_head.head.weight")
+        return missing
+
+    def tie_lm_head(self) -> None:
+        self.tied = True
+        self.lm_head_weight = self.embed_weight
+
+    def pack_weights(self) -> None:
+        """The projections stay plain tensors (BLAS through ``KernelOps``' projections): nothing to pack."""
+
+    # ---- perf-mode hooks ------------------------------------------------------------------------------------
+    def set_profiler(self, profiler: OpProfiler | None) -> None:
+        """Time every op through ``profiler`` (the MLA kernels as ``attention_decode``/``attention_prefill``);
+        ``None`` restores the plain kernels."""
+        ops = self.plain_ops if profiler is None else self.plain_ops.timed(profiler)
+        self.ops = ops
+        for layer in [*self.layers, *(m.block for m in self.mtp_layers)]:
+            layer.set_ops(ops)
+            attn = layer.self_attn
+            attn.decode_attention, attn.prefill_attention = mla.mla_decode_attention, mla.mla_prefill_attention
+            if profiler is not None:
+                attn.decode_attention = profiler.wrap("attention_decode", attn.decode_attention)
+                attn.prefill_attention = profiler.wrap("attention_prefill", attn.prefill_attention)
+        self.profiler = profiler
+
+    def set_layer_forward_round(self, num_rounds: int) -> None:
+        """Run each decoder layer ``num_rounds`` times per forward (as ``DecoderForCausalLM`` does)."""
+        if num_rounds < 1:
+            raise ValueError(f"layer_forward_round must be at least 1, got {num_rounds}")
+        self.layer_forward_round = num_rounds
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVLayer],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final-normed hidden states ``[T, hidden]``; ``kv_caches`` may carry the MTP layers after the main
+        ones (only the first ``num_layers`` are read here)."""
+        hidden = self.ops.embedding(input_ids, self.embed_weight)
+        cos, sin = self._rotary(positions)
+        residual = None
+        profiler, num_repeats = self.profiler, self.layer_forward_round - 1
+        for index, layer in enumerate(self.layers):
+            if profiler is not None:
+                profiler.layer = index
+            for _ in range(num_repeats):
+                layer(hidden, residual, cos, sin, kv_caches[index], meta)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_caches[index], meta)
+        if profiler is not None:
+            profiler.layer = None
+        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, self.norm_weight, self.eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.lm_head(hidden, self.lm_head_weight).float()
+
+    def mtp_forward(
+        self,
+        layer_index: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        kv_cache: KVLayer,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """MTP module ``layer_index`` over a packed batch (see the module docstring); ``kv_cache`` is its layer,
+        ``kv_caches[num_layers + layer_index]`` of the engine's cache."""
+        module = self.mtp_layers[layer_index]
+        embedded = self.ops.embedding(input_ids, module.embed_weight)
+        joined = torch.cat((self.ops.rms_norm(embedded, module.enorm_weight, self.eps),
+                            self.ops.rms_norm(previous_hidden.to(embedded.dtype), module.hnorm_weight, self.eps)),
+                           dim=-1)
+        hidden = F.linear(joined, module.eh_proj_weight)
+        cos, sin = self._rotary(positions)
+        hidden, residual = module.block(hidden, None, cos, sin, kv_cache, meta, first_key=1)
+        return hidden + residual
+
+    def mtp_compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` (``mtp_forward``'s rows) -> ``[N, vocab]`` float32 logits of the token after next."""
+        module = self.mtp_layers[layer_index]
+        normed = self.ops.rms_norm(hidden, module.head_norm_weight, self.eps)
+        return self.ops.lm_head(normed, module.head_weight).float()
