@@ -210,15 +210,17 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     # ---- perf-mode hooks ------------------------------------------------------------------------------------
     def set_profiler(self, profiler: OpProfiler | None) -> None:
-        """Time every op through ``profiler`` (the MLA kernels as ``attention_decode``/``attention_prefill``);
-        ``None`` restores the plain kernels."""
+        """Time every op through ``profiler`` (the MLA kernels as ``kv_cache_store``, ``attention_decode`` and
+        ``attention_prefill``; its layer attribution covers the main layers); ``None`` restores the plain kernels."""
         ops = self.plain_ops if profiler is None else self.plain_ops.timed(profiler)
         self.ops = ops
         for layer in [*self.layers, *(m.block for m in self.mtp_layers)]:
             layer.set_ops(ops)
             attn = layer.self_attn
-            attn.decode_attention, attn.prefill_attention = mla.mla_decode_attention, mla.mla_prefill_attention
+            attn.store, attn.decode_attention, attn.prefill_attention = (
+                mla.store_latent, mla.mla_decode_attention, mla.mla_prefill_attention)
             if profiler is not None:
+                attn.store = profiler.wrap("kv_cache_store", attn.store)
                 attn.decode_attention = profiler.wrap("attention_decode", attn.decode_attention)
                 attn.prefill_attention = profiler.wrap("attention_prefill", attn.prefill_attention)
         self.profiler = profiler
