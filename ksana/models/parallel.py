@@ -45,6 +45,9 @@ def check_tp_size(shape: ModelShape, tp_size: int) -> None:
         raise ConfigError(f"config key '{TP_SIZE_KEY}' must be at least 1, got {tp_size}")
     if tp_size == 1:
         return
+    if shape.is_mla:
+        raise ConfigError(f"config key '{TP_SIZE_KEY}' = {tp_size}: tensor parallelism is not implemented for "
+                          f"multi-head latent attention models ({shape.model_type})")
     problems = []
     if shape.num_kv_heads < tp_size:
         problems.append(

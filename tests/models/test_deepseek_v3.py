@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ksana.config import ConfigError
 from ksana.kernels.attention_metadata import AttentionMetadata
-from ksana.models import load_model
+from ksana.models import ModelShape, load_model
 from ksana.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ksana.models.parallel import check_tp_size
 from ksana.models.registry import MODEL_FAMILIES
 from ksana.worker.kv_cache import KVCache
 from tests.model_factory import (
@@ -161,6 +163,10 @@ def test_tensor_parallelism_is_refused(tmp_path: Path) -> None:
     config = tiny_config("deepseek_v3")
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         DeepseekV3ForCausalLM(config, tp=object())
+    shape = ModelShape.from_hf_config(config, torch.float32)
+    with pytest.raises(ConfigError, match="tensor parallelism is not implemented"):
+        check_tp_size(shape, 2)
+    check_tp_size(shape, 1)
 
 
 # ---- MTP ------------------------------------------------------------------------------------------------------
