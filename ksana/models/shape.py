@@ -56,11 +56,6 @@ class ModelShape:
     def v_cache_dim(self) -> int:
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
-    def kv_bytes_per_token_per_layer(self, dtype: torch.dtype) -> int:
-        """What one token's K and V take in one layer."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return self.kv_cache_heads * (self.k_cache_dim + self.v_cache_dim) * element_size
-
     @classmethod
     def from_hf_config(
         cls, config: Any, dtype: torch.dtype, eos_token_ids: list[int] | None = None

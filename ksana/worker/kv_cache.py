@@ -59,7 +59,7 @@ class KVCache:
         lays each block out head by head (see the class); ``extra_layers`` full-attention layers follow the model's
         own (an MTP module's, ``shape.num_mtp_layers`` of them for all)."""
         swa_layers = tuple(i for i, w in enumerate(shape.sliding_windows) if w is not None) if num_swa_blocks else ()
-        heads, dims_kv = shape.kv_cache_heads, (shape.k_cache_dim, shape.v_cache_dim)
+        heads, *dims_kv = _per_token_dims(shape)
         layers = []
         for i in range(shape.num_layers + extra_layers):
             blocks = num_swa_blocks if i in swa_layers else num_blocks
@@ -136,5 +136,14 @@ class KVCache:
     def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
         """Bytes one block takes across all layers (and ``extra_layers`` more, as ``allocate``), keys and values:
         an MLA model's latent and rotary key, ``kv_lora_rank + qk_rope_head_dim`` elements per token and layer."""
-        layers = shape.num_layers + extra_layers
-        return layers * block_size * shape.kv_bytes_per_token_per_layer(dtype)
+        heads, k_dim, v_dim = _per_token_dims(shape)
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return (shape.num_layers + extra_layers) * block_size * heads * (k_dim + v_dim) * element_size
+
+
+def _per_token_dims(shape: ModelShape) -> tuple[int, int, int]:
+    """``(heads, K width, V width)`` of one token in one layer: ``ModelShape``'s cache dims (an MLA model's latent
+    and rotary key), or ``num_kv_heads``/``head_dim`` of a shape-like object without them."""
+    if getattr(shape, "is_mla", False):
+        return shape.kv_cache_heads, shape.k_cache_dim, shape.v_cache_dim
+    return shape.num_kv_heads, shape.head_dim, shape.head_dim
