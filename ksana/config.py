@@ -40,7 +40,24 @@ class BatchSchedulerSetting:
     preempt_mode: int = 1  # 1 = RECOMPUTE (the only mode on this engine; 0 = SWAP is rejected)
     waiting_timeout_in_ms: int = 600_000
     max_waiting_queue_len: int = 1200
+    # Speculative decoding (one drafter at a time; async scheduling is off while it is on): draft tokens per step
+    # from the model's MTP modules (KsanaLLM's key) or from prompt lookup, which matches the last
+    # ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens earlier in the sequence and drafts what followed.
     mtp_step_num: int = 0
+    ngram_step_num: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per request per step (0: speculative decoding is off)."""
+        return self.mtp_step_num or self.ngram_step_num
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether a step is planned while the one before it runs: speculation needs each step's accepted
+        tokens before it can draft the next, so it turns async scheduling off."""
+        return self.async_scheduling and not self.num_speculative_tokens
 
 
 @attrs.define(kw_only=True)
@@ -213,6 +230,12 @@ def _validate(config: KsanaConfig) -> KsanaConfig:
         (s.waiting_timeout_in_ms >= 1, "setting.batch_scheduler.waiting_timeout_in_ms", "must be positive"),
         (s.max_waiting_queue_len >= 1, "setting.batch_scheduler.max_waiting_queue_len", "must be at least 1"),
         (s.mtp_step_num >= 0, "setting.batch_scheduler.mtp_step_num", "must be non-negative"),
+        (s.ngram_step_num >= 0, "setting.batch_scheduler.ngram_step_num", "must be non-negative"),
+        (not (s.mtp_step_num and s.ngram_step_num), "setting.batch_scheduler.ngram_step_num",
+         "cannot be set together with setting.batch_scheduler.mtp_step_num (one drafter at a time)"),
+        (s.prompt_lookup_min >= 1, "setting.batch_scheduler.prompt_lookup_min", "must be at least 1"),
+        (s.prompt_lookup_max >= s.prompt_lookup_min, "setting.batch_scheduler.prompt_lookup_max",
+         "must be at least setting.batch_scheduler.prompt_lookup_min"),
         (g.tensor_para_size >= 1, "setting.global.tensor_para_size", "must be at least 1"),
         (g.num_threads >= 0, "setting.global.num_threads", "must be non-negative"),
         (g.device in _DEVICES, "setting.global.device", f"must be one of {', '.join(_DEVICES)}"),

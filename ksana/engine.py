@@ -33,6 +33,7 @@ from ksana.worker.fresh_thread import run_in_fresh_thread
 from ksana.worker.kv_cache import KVCache
 from ksana.worker.memory_budget import plan_num_blocks
 from ksana.worker.model_runner import ModelRunner
+from ksana.worker.mtp_drafter import MTPDrafter
 from ksana.worker.tp_runner import TPModelRunner
 from ksana.worker.worker_actor import WorkerActor
 
@@ -57,15 +58,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _reject_unsupported(config: KsanaConfig) -> None:
-    """Keys of features that later issues implement: refuse loudly rather than silently ignore them."""
-    s = config.setting.batch_scheduler
-    unsupported = [
-        (s.mtp_step_num != 0, "setting.batch_scheduler.mtp_step_num", "MTP speculative decoding"),
-    ]
-    for enabled, key, feature in unsupported:
-        if enabled:
-            raise ConfigError(f"config key '{key}': {feature} is not implemented yet in this build")
+def _check_mtp(config: KsanaConfig, num_mtp_layers: int) -> None:
+    """MTP drafting needs the model's MTP modules: one (reused for every draft) or one per draft."""
+    steps, key = config.setting.batch_scheduler.mtp_step_num, "setting.batch_scheduler.mtp_step_num"
+    if not steps:
+        return
+    if num_mtp_layers == 0:
+        raise ConfigError(f"config key '{key}': the model has no MTP modules (no num_nextn_predict_layers weights)")
+    if num_mtp_layers > 1 and steps > num_mtp_layers:
+        raise ConfigError(f"config key '{key}' is {steps}, but the model's {num_mtp_layers} MTP modules draft "
+                          f"{num_mtp_layers} tokens at most")
+    if config.setting.global_.tensor_para_size > 1:
+        raise ConfigError(f"config key '{key}': MTP drafting is not implemented with tensor parallelism")
 
 
 @attrs.frozen
@@ -80,6 +84,7 @@ class EngineLayout:
     max_token_len: int
     sliding_window: int | None  # the SWA pool's window (prefix cache on a sliding-window model), else None
     num_swa_blocks: int
+    num_extra_layers: int = 0  # the MTP modules' cache layers, after the model's own
 
 
 def plan_layout(config: KsanaConfig, shape: ModelShape, budget_shape: ModelShape, device: torch.device,
@@ -91,7 +96,9 @@ def plan_layout(config: KsanaConfig, shape: ModelShape, budget_shape: ModelShape
     model_max = shape.max_position_embeddings
     max_token_len = min(sched.max_token_len or model_max, model_max)
     block_size = config.setting.block_manager.block_token_num
-    bytes_per_block = KVCache.bytes_per_block(budget_shape, block_size, dtype)
+    # MTP drafting keeps its modules' K/V in the same blocks, as extra layers.
+    extra_layers = shape.num_mtp_layers if sched.mtp_step_num else 0
+    bytes_per_block = KVCache.bytes_per_block(budget_shape, block_size, dtype, extra_layers=extra_layers)
     max_useful = sched.max_batch_size * num_blocks_for(max_token_len, block_size)
     num_blocks = plan_num_blocks(config.setting.block_manager, bytes_per_block, device, max_useful,
                                  unloaded_weight_bytes)
@@ -103,7 +110,7 @@ def plan_layout(config: KsanaConfig, shape: ModelShape, budget_shape: ModelShape
                     and config.setting.global_.tensor_para_size == 1)
     num_swa_blocks = (config.setting.block_manager.num_swa_blocks or num_blocks) if use_swa_pool else 0
     return EngineLayout(block_size, num_blocks, bytes_per_block, max_token_len,
-                        max(windows) if use_swa_pool else None, num_swa_blocks)
+                        max(windows) if use_swa_pool else None, num_swa_blocks, extra_layers)
 
 
 def build_scheduling(config: KsanaConfig, layout: EngineLayout,
@@ -136,7 +143,6 @@ class InferenceEngine:
     """The model, its KV pool and the persistent scheduler/cache state; ``build_loop`` wires a run."""
 
     def __init__(self, config: KsanaConfig) -> None:
-        _reject_unsupported(config)
         self.config = config
         base = config.model_spec.base_model
         self.model_dir: Path = resolve_model_dir(base.model_dir)
@@ -159,6 +165,7 @@ class InferenceEngine:
             # Tensor work of the start-up runs on a thread of its own: see ksana/worker/fresh_thread.py.
             self.model = run_in_fresh_thread(load_model, self.model_dir, dtype=self.dtype, device=self.device)
         self.shape = self.model.shape
+        _check_mtp(config, self.shape.num_mtp_layers)
         logger.info("model loaded in %.1f s", time.perf_counter() - started)
 
         # Each TP rank holds its KV heads' share of a block; on CPU the ranks share one memory, so size by it all.
@@ -169,7 +176,7 @@ class InferenceEngine:
         self.max_token_len = layout.max_token_len
         self.kv_cache = run_in_fresh_thread(KVCache.allocate, kv_shape, layout.num_blocks, layout.block_size,
                                             self.dtype, self.device, num_swa_blocks=layout.num_swa_blocks,
-                                            head_major=self.model.kv_head_major)
+                                            head_major=self.model.kv_head_major, extra_layers=layout.num_extra_layers)
         logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB)%s", layout.num_blocks,
                     layout.block_size, layout.num_blocks * layout.block_size,
                     layout.num_blocks * layout.bytes_per_block / 2**20,
@@ -179,6 +186,10 @@ class InferenceEngine:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         else:
             self.runner = self.tp_runner.start(self.kv_cache)
+        mtp_steps = config.setting.batch_scheduler.mtp_step_num
+        if mtp_steps:
+            self.runner.mtp_drafter = MTPDrafter(self.model, self.kv_cache.layers[self.shape.num_layers:], mtp_steps,
+                                                 layout.block_size)
         remote_store = None
         remote_dir = config.setting.block_manager.remote_cache_dir
         if remote_dir:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from ksana.output_processor import SequenceStream
 from ksana.outputs import RequestOutput, prompt_logprobs_output
 from ksana.request import InferRequest
 from ksana.sampling_params import SamplingParams
+from ksana.spec.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,11 @@ class LLM:
         self.last_trace = None
 
     # ---- public API -------------------------------------------------------------------------------------------
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats:
+        """Speculative decoding's acceptance over this engine's life so far (all zero while it is off)."""
+        return copy.deepcopy(self.engine.scheduler.stats.spec)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

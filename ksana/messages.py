@@ -89,6 +89,10 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    # Speculative decoding: the drafts this step verified for the request and how many of them it accepted (the
+    # accepted ones lead ``new_token_ids``).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @attrs.frozen
@@ -254,7 +258,8 @@ PLACEHOLDER_TOKEN = -1
 class ScheduledRow:
     """One request's share of a step: compute ``token_ids`` at positions ``start_position...`` into its blocks.
 
-    ``num_new_tokens`` may exceed 1 for a prefill chunk (and, with speculative decoding, for a verify step).
+    ``num_new_tokens`` may exceed 1 for a prefill chunk, and for a verify row: the request's last token followed
+    by ``num_draft_tokens`` drafts, each of whose positions is sampled (and the drafts accepted while they match).
     When ``do_sample`` is set, the row's last position is sampled with the request's parameters; the penalty
     inputs (``prompt_token_ids``/``output_token_ids``) are only filled when a penalty needs them. A row planned
     while the step before it ran has ``PLACEHOLDER_TOKEN`` as its one token (and as the last output token).
@@ -277,10 +282,17 @@ class ScheduledRow:
     # how many top alternatives each gets.
     prompt_logprob_token_ids: tuple[int, ...] = ()
     num_prompt_top_logprobs: int = 0
+    num_draft_tokens: int = 0  # the last tokens of ``token_ids`` are drafts to verify
+    # MTP drafting, a prompt chunk that does not reach the prompt's end: the token after its last.
+    next_token_id: int = -1
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def seq_len(self) -> int:
@@ -310,9 +322,15 @@ class ExecuteStep:
 
 @attrs.frozen
 class SampledToken:
+    """A row's sampled token. A verify row's is the token sampled at its first position, and ``following`` the
+    tokens sampled after it while each one before matched its draft: ``(token, *following)`` are the row's new
+    tokens, and ``len(following)`` is how many drafts it accepted."""
+
     token_id: int
     logprob: float
     top_logprobs: Any = None  # list[(token_id, logprob)] when asked
+    following: tuple[SampledToken, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()  # the MTP modules' drafts for the request's next step
 
 
 @attrs.frozen

@@ -104,7 +104,7 @@ def test_bad_input_is_a_clear_error(llm):
         llm.generate([[5] * 3000], use_tqdm=False)
     with pytest.raises(ConfigError, match="max_batch_sz"):
         LLM(model="demo", max_batch_sz=3)
-    with pytest.raises(ConfigError, match="mtp_step_num"):
+    with pytest.raises(ConfigError, match="mtp_step_num.*no MTP modules"):
         LLM(model="demo", mtp_step_num=1)
     # The engine keeps working after rejected requests, and nothing leaked.
     assert llm.generate(["ok"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids

@@ -49,6 +49,8 @@ from ksana.messages import (
     StepBlocks,
 )
 from ksana.request import FinishReason, InferRequest, RequestStatus
+from ksana.spec.ngram import propose_ngram
+from ksana.spec.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +59,19 @@ logger = logging.getLogger(__name__)
 class ScheduledRequest:
     """``do_sample``: the row reaches the end of the request's tokens, so its last position is sampled.
     ``sample_index``/``num_preemptions`` (set by ``commit``): where the sampled token goes, and the request's
-    preemption count then, so a result that comes back after a preemption is recognised and dropped."""
+    preemption count then, so a result that comes back after a preemption is recognised and dropped.
+    ``draft_token_ids``: speculative tokens after the request's last one, counted in ``num_new_tokens``."""
 
     request: InferRequest
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
     do_sample: bool = attrs.field(init=False)
     sample_index: int = attrs.field(init=False, default=-1)
     num_preemptions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         req = self.request
-        self.do_sample = req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        self.do_sample = req.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == req.num_tokens
 
 
 @attrs.define
@@ -93,6 +97,7 @@ class SchedulerStats:
     num_rejected: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    spec: SpecDecodingStats = attrs.field(factory=SpecDecodingStats)
 
 
 class BatchScheduler:
@@ -103,8 +108,10 @@ class BatchScheduler:
         self.setting = setting
         self.block_size = block_size
         self.num_total_blocks = num_total_blocks
+        # Slots past a row's tokens that its step writes: the MTP modules draft that far (``MTPDrafter``).
+        self.num_reserved_slots = setting.mtp_step_num
         # A request can never outgrow the whole pool, so a lone request always fits.
-        self.max_token_len = min(max_token_len, num_total_blocks * block_size)
+        self.max_token_len = min(max_token_len, num_total_blocks * block_size - self.num_reserved_slots)
         self.waiting: collections.deque[InferRequest] = collections.deque()
         self.running: list[InferRequest] = []
         self.requests: dict[str, InferRequest] = {}
@@ -242,6 +249,13 @@ class BatchScheduler:
                 continue
             num_new = min(request.num_tokens_to_compute, budget, chunk or budget)
             need = self._missing_blocks(request, request.num_computed_tokens + num_new)
+            drafts = self._drafts(request, budget) if num_new == 1 else ()
+            if drafts:  # verify them in this row where their blocks fit; else decode without them
+                need_drafted = self._missing_blocks(request, request.num_computed_tokens + 1 + len(drafts))
+                if need_drafted <= free:
+                    num_new, need = 1 + len(drafts), need_drafted
+                else:
+                    drafts = ()
             if need > free and not allow_preempt:
                 return SchedulerOutput(rejected=out.rejected)
             while need > free and self.running[-1] is not request:
@@ -252,7 +266,7 @@ class BatchScheduler:
             free -= need
             out.num_new_blocks += need
             budget -= num_new
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.setting.max_batch_size:
@@ -287,7 +301,8 @@ class BatchScheduler:
     def block_demands(self, out: SchedulerOutput) -> tuple[BlockDemand, ...]:
         if not self.enable_prefix_cache:
             return tuple(
-                BlockDemand(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
+                BlockDemand(s.request.request_id,
+                            s.request.num_computed_tokens + s.num_new_tokens + self.num_reserved_slots)
                 for s in out.scheduled
             )
         demands = []
@@ -298,12 +313,12 @@ class BatchScheduler:
             # received prompt's blocks are matched too, so that the cached ones are not written again.
             if ((req.num_computed_tokens == 0 or req.kv_install_pending) and rid not in self.block_ids
                     and not req.wants_prompt_logprobs):
-                num_new = req.num_tokens if req.kv_install_pending else s.num_new_tokens
+                num_new = (req.num_tokens if req.kv_install_pending else s.num_new_tokens) + self.num_reserved_slots
                 demands.append(BlockDemand(rid, num_new, tuple(req.token_ids), match_prefix=True,
                                            num_remote_loaded_blocks=self._remote_loaded.pop(rid, -1)))
             else:  # the tokens the manager has not seen; a pending one goes with a later demand
                 sent = self._num_tokens_sent.get(rid, 0)
-                demands.append(BlockDemand(rid, req.num_computed_tokens + s.num_new_tokens,
+                demands.append(BlockDemand(rid, req.num_computed_tokens + s.num_new_tokens + self.num_reserved_slots,
                                            tuple(req.token_ids[sent:req.num_known_tokens])))
             self._num_tokens_sent[rid] = req.num_known_tokens
         return tuple(demands)
@@ -357,7 +372,8 @@ class BatchScheduler:
         for s in out.scheduled:
             req = s.request
             start = req.num_computed_tokens
-            tokens = tuple(req.token_ids[start:start + s.num_new_tokens])
+            drafts = s.draft_token_ids
+            tokens = tuple(req.token_ids[start:start + s.num_new_tokens - len(drafts)]) + drafts
             params = req.sampling_params
             sample = s.do_sample
             rows.append(ScheduledRow(
@@ -375,6 +391,9 @@ class BatchScheduler:
                 banned_token_ids=req.banned_token_ids() if sample else (),
                 prompt_logprob_token_ids=req.prompt_logprob_token_ids(start, s.num_new_tokens),
                 num_prompt_top_logprobs=params.prompt_logprobs or 0,
+                num_draft_tokens=len(drafts),
+                next_token_id=(req.token_ids[start + s.num_new_tokens]
+                               if self.setting.mtp_step_num and not sample else -1),
             ))
         return tuple(rows)
 
@@ -395,11 +414,12 @@ class BatchScheduler:
         out.kv_installs, out.kv_sends = tuple(installs), tuple(sends)
 
     def commit(self, out: SchedulerOutput) -> None:
-        """The plan is sent: its tokens count as computed, and each sampled row's token as pending."""
+        """The plan is sent: its tokens count as computed, and each sampled row's token as pending. Drafts count
+        once accepted (``update``)."""
         for s in out.scheduled:
             req = s.request
             req.kv_install_pending = False
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
             s.num_preemptions = req.num_preemptions
             if s.do_sample:
                 s.sample_index = req.append_pending_token()
@@ -421,25 +441,66 @@ class BatchScheduler:
             token = sampled[req.request_id]
             req.fill_pending_token(s.sample_index, token.token_id)
             reason = req.stop_reason_after(token.token_id, s.sample_index + 1)
+            tokens = [token]
+            if s.draft_token_ids:
+                reason = self._take_verified(s, token, tokens, reason)
+            req.draft_token_ids = token.draft_token_ids
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req.request_id)
             deltas.append(RequestDelta(
                 request_id=req.request_id,
-                new_token_ids=(token.token_id,),
-                new_logprobs=(token.logprob,),
-                new_top_logprobs=(token.top_logprobs,),
+                new_token_ids=tuple(t.token_id for t in tokens),
+                new_logprobs=tuple(t.logprob for t in tokens),
+                new_top_logprobs=tuple(t.top_logprobs for t in tokens),
                 finish_reason=reason.value if reason is not None else None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
                 prompt_logprobs=req.take_prompt_logprobs(),
+                num_draft_tokens=len(s.draft_token_ids),
+                num_accepted_draft_tokens=len(token.following),
             ))
         return deltas, finished
 
+    def _take_verified(self, s: ScheduledRequest, token: SampledToken, tokens: list[SampledToken],
+                       reason: FinishReason | None) -> FinishReason | None:
+        """A verify row's result: its accepted drafts' K/V counts as computed, and the tokens after its first are
+        appended up to a stop. The rejected drafts' slots hold stale K/V past ``num_computed_tokens``, which the
+        next steps overwrite before any attention reads them; their blocks stay with the request."""
+        req = s.request
+        following = token.following
+        if len(following) > len(s.draft_token_ids):
+            raise ValueError(f"request {req.request_id}: {len(following)} drafts accepted of "
+                             f"{len(s.draft_token_ids)}")
+        self.stats.spec.observe(len(s.draft_token_ids), len(following))
+        req.num_computed_tokens += len(following)
+        for more in following:
+            if reason is not None:
+                break
+            req.token_ids.append(more.token_id)
+            tokens.append(more)
+            reason = req.stop_reason_after(more.token_id)
+        return reason
+
     # ---- internals --------------------------------------------------------------------------------------------
+    def _drafts(self, request: InferRequest, budget: int) -> tuple[int, ...]:
+        """The drafts a decoding request verifies in its next row: the MTP modules' from its last step, or prompt
+        lookup's, cut to the step's token budget and to the tokens the request may still produce (the row adds
+        one token beyond its accepted drafts)."""
+        setting = self.setting
+        limit = min(setting.num_speculative_tokens, budget - 1, self.max_token_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        if limit <= 0 or request.num_pending_tokens:
+            return ()
+        if setting.mtp_step_num:
+            return tuple(request.draft_token_ids[:limit])
+        return tuple(propose_ngram(request.token_ids, limit, setting.prompt_lookup_min, setting.prompt_lookup_max))
+
     def _missing_blocks(self, request: InferRequest, num_tokens: int) -> int:
         have = len(self.block_ids.get(request.request_id, ()))
-        return max(0, num_blocks_for(num_tokens, self.block_size) - have)
+        return max(0, num_blocks_for(num_tokens + self.num_reserved_slots, self.block_size) - have)
 
     def _preempt(self, request: InferRequest, out: SchedulerOutput) -> int:
         """Recompute-preempt: back to the front of the waiting queue; returns the blocks it gives back."""
@@ -447,6 +508,7 @@ class BatchScheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.kv_install_pending = False  # it recomputes its prompt, the received K/V is not needed
+        request.draft_token_ids = ()
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)

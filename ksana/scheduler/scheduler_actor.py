@@ -47,7 +47,7 @@ class SchedulerActor(Actor):
 
     def __init__(self, scheduler: BatchScheduler) -> None:
         self.scheduler = scheduler
-        self.max_steps_in_flight = 2 if scheduler.setting.async_scheduling else 1
+        self.max_steps_in_flight = 2 if scheduler.setting.plans_ahead else 1
         self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
         self._next_step_id = 0
         self._pending_release: list[str] = []

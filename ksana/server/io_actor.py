@@ -179,6 +179,8 @@ class ServerIOActor(Actor):
                 continue
             if delta.new_token_ids:
                 self._observe_tokens(tracked, delta, now)
+                if delta.num_draft_tokens:
+                    metrics.observe_spec(delta.num_draft_tokens, delta.num_accepted_draft_tokens)
             if delta.finish_reason is not None:
                 self._observe_finish(tracked, delta, now)
                 del self._tracked[delta.request_id]

@@ -14,6 +14,7 @@ from prometheus_client.exposition import generate_latest
 
 from ksana.disagg.kv_connector import KVConnector
 from ksana.messages import CacheStats
+from ksana.spec.stats import SpecDecodingStats
 
 disable_created_metrics()  # the *_created series only double the scrape size
 
@@ -68,6 +69,21 @@ class ServerMetrics:
         self.block_manager_request_num = Gauge(
             "block_manager_request_num", "Requests holding KV cache blocks", registry=r)
 
+        # Speculative decoding (KsanaLLM's two counters), and the rates they give, by draft position too.
+        self.spec = SpecDecodingStats()
+        self.spec_draft_token_num = Counter(
+            "spec_draft_token_num", "Draft tokens verified by the model", registry=r)
+        self.spec_draft_hit_num = Counter(
+            "spec_draft_hit_num", "Draft tokens the model accepted", registry=r)
+        self.spec_draft_acceptance_rate = Gauge(
+            "spec_draft_acceptance_rate", "Accepted draft tokens over verified ones", registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "spec_mean_accepted_length", "Tokens a request gains per verifying step (accepted drafts + 1)",
+            registry=r)
+        self.spec_draft_position_acceptance_rate = Gauge(
+            "spec_draft_position_acceptance_rate", "Acceptance rate of the drafts at each position (0: the first)",
+            ["position"], registry=r)
+
         # A prefill or decode node's KV transport (``ksana/disagg/kv_connector.py``), read at scrape time.
         self.kv_transfer_pair_num = Gauge(
             "kv_transfer_pair_num", "Prefill/decode pairs whose KV transport is connected", registry=r)
@@ -81,6 +97,16 @@ class ServerMetrics:
             "kv_transfer_received_num", "Prompts whose KV cache this decode node received", registry=r)
         self.kv_transfer_received_bytes = Gauge(
             "kv_transfer_received_bytes", "Bytes of KV cache this decode node received", registry=r)
+
+    def observe_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
+        spec = self.spec
+        spec.observe(num_draft_tokens, num_accepted)
+        self.spec_draft_token_num.inc(num_draft_tokens)
+        self.spec_draft_hit_num.inc(num_accepted)
+        self.spec_draft_acceptance_rate.set(spec.acceptance_rate)
+        self.spec_mean_accepted_length.set(spec.mean_accepted_length)
+        for position, rate in enumerate(spec.acceptance_by_position):
+            self.spec_draft_position_acceptance_rate.labels(position=str(position)).set(rate)
 
     def set_kv_transfer_stats(self, connector: KVConnector) -> None:
         self.kv_transfer_pair_num.set(sum(connector.is_connected(key) for key in list(connector.pairs)))

@@ -32,8 +32,10 @@ from ksana.messages import (
     StepTimings,
 )
 from ksana.worker.kv_cache import KVCache
+from ksana.worker.mtp_drafter import MTPDrafter
 from ksana.worker.prompt_logprobs import compute_prompt_logprobs
 from ksana.worker.sampler import Sampler, SamplingRow, plain_greedy
+from ksana.worker.verify import accept_drafts, position_rows
 
 
 class ModelRunner:
@@ -48,6 +50,9 @@ class ModelRunner:
         # The token sampled for each row of the last step: a plan made while that step ran names them with
         # ``PLACEHOLDER_TOKEN``. Tensor-parallel ranks that do not sample are handed rank 0's.
         self.last_sampled: dict[str, int] = {}
+        # The model's own layers' caches; an MTP drafter's layers follow them in the pool (``MTPDrafter``).
+        self.model_kv_layers = kv_cache.layers[:model.shape.num_layers]
+        self.mtp_drafter: MTPDrafter | None = None
 
     def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings, dict[str, PromptLogprobs]]:
         """The sampled token of each sampling row, the step's timings, and the prompt logprobs of the rows that
@@ -112,36 +117,48 @@ class ModelRunner:
             rows = sorted(rows, key=lambda row: row.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare_inputs(rows, previous if plan.has_placeholders else None)
         sample_rows = [i for i, row in enumerate(rows) if row.do_sample]
-        # Each sampled row's last token; an all-decode step samples every row, so the hidden states as they are.
+        # Each sampled row's last token (a verify row's drafts' positions too); an all-decode step samples every
+        # row, so the hidden states as they are.
         last_index = None
         if len(sample_rows) != len(rows) or meta.num_decodes != len(rows):
             ends = list(itertools.accumulate(meta.query_lens_list))
-            last_index = torch.tensor([ends[i] - 1 for i in sample_rows], dtype=torch.int64, device=self.device)
+            index = [ends[i] - 1 - k for i in sample_rows for k in range(rows[i].num_draft_tokens, -1, -1)]
+            last_index = torch.tensor(index, dtype=torch.int64, device=self.device)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+            hidden = self.model(input_ids, positions, self.model_kv_layers, meta)
             prompt_logprobs = {}
             if any(row.prompt_logprob_token_ids for row in rows):
                 starts = [0, *itertools.accumulate(meta.query_lens_list)]
                 prompt_logprobs = compute_prompt_logprobs(self.model, hidden, rows, starts)
-            if not sample_rows:
-                return {}, StepTimings(prepare_s=t1 - t0, forward_s=time.perf_counter() - t1), prompt_logprobs
-            hidden_rows = hidden if last_index is None else hidden[last_index]
-            rows_sampled = rows if last_index is None else [rows[i] for i in sample_rows]
-            # Plain greedy rows straight from the lm_head where the kernels fuse the two (no [N, vocab] logits).
-            greedy = (self.model.compute_greedy(hidden_rows)
-                      if all(plain_greedy(row.sampling_params, row.banned_token_ids) for row in rows_sampled)
-                      else None)
-            if greedy is None:
-                logits = self.model.compute_logits(hidden_rows)
-                t2 = time.perf_counter()
-                sampled = self.sample(logits, rows_sampled, previous)
-            else:
-                t2 = time.perf_counter()
-                sampled = {row.request_id: SampledToken(token_id, logprob, None)
-                           for row, token_id, logprob in zip(rows_sampled, *greedy, strict=True)}
-        t3 = time.perf_counter()
-        return sampled, StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2), prompt_logprobs
+            sampled, t2 = self._sample_rows(rows, sample_rows, last_index, hidden, previous)
+            t3 = time.perf_counter()
+            draft_s = 0.0
+            if self.mtp_drafter is not None:  # its cache covers every row's positions, sampled or not
+                drafts = self.mtp_drafter.propose(rows, hidden, sampled, self.prepare_inputs)
+                sampled = {rid: attrs.evolve(token, draft_token_ids=drafts.get(rid, ()))
+                           for rid, token in sampled.items()}
+                draft_s = time.perf_counter() - t3
+        timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1 + draft_s, sample_s=t3 - t2)
+        return sampled, timings, prompt_logprobs
+
+    def _sample_rows(self, rows: Sequence[ScheduledRow], sample_rows: list[int], last_index: torch.Tensor | None,
+                     hidden: torch.Tensor, previous: dict[str, int]) -> tuple[dict[str, SampledToken], float]:
+        """The sampled rows' tokens, and when their logits were ready (``time.perf_counter``)."""
+        if not sample_rows:
+            return {}, time.perf_counter()
+        hidden_rows = hidden if last_index is None else hidden[last_index]
+        rows_sampled = rows if last_index is None else [rows[i] for i in sample_rows]
+        # Plain greedy rows straight from the lm_head where the kernels fuse the two (no [N, vocab] logits).
+        greedy = (self.model.compute_greedy(hidden_rows)
+                  if all(plain_greedy(row.sampling_params, row.banned_token_ids) for row in rows_sampled)
+                  else None)
+        if greedy is None:
+            logits = self.model.compute_logits(hidden_rows)
+            logits_ready = time.perf_counter()
+            return self.sample(logits, rows_sampled, previous), logits_ready
+        tokens = [SampledToken(token_id, logprob, None) for token_id, logprob in zip(*greedy, strict=True)]
+        return accept_drafts(rows_sampled, tokens), time.perf_counter()
 
     def prepare_inputs(self, rows: Sequence[ScheduledRow], previous: dict[str, int] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -209,22 +226,23 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
                previous: dict[str, int] | None = None) -> dict[str, SampledToken]:
+        """``logits``: one row per sampled position (a verify row has ``1 + num_draft_tokens``)."""
         sampling_rows = [
-            SamplingRow(
+            position
+            for row in rows
+            for position in position_rows(row, SamplingRow(
                 params=row.sampling_params,
                 seed=row.seed,
                 num_output_tokens=row.num_output_tokens,
                 prompt_token_ids=row.prompt_token_ids,
                 output_token_ids=_filled_outputs(row, previous),
                 banned_token_ids=row.banned_token_ids,
-            )
-            for row in rows
+            ))
         ]
         out = self.sampler(logits, sampling_rows)
-        return {
-            row.request_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-            for i, row in enumerate(rows)
-        }
+        tokens = [SampledToken(token_id, logprob, top)
+                  for token_id, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)]
+        return accept_drafts(rows, tokens)
 
 
 def _fill_placeholders(input_ids: np.ndarray, rows: Sequence[ScheduledRow], previous: dict[str, int]) -> None:
