@@ -202,6 +202,18 @@ def vs_vllm_rows(report: dict[str, Any]) -> Iterator[Row]:
             yield figure, result, f">= {VS_VLLM_TARGET:g}x; TTFT p50/p99, TPOT p50 no worse", met
 
 
+def speculative_rows(report: dict[str, Any]) -> Iterator[Row]:
+    for workload, by_batch in report["runs"].items():
+        for batch, pair in by_batch.items():
+            on, off = pair["on"], pair["off"]
+            figure = (f"prompt lookup, {report['num_draft_tokens']} drafts per step, `{report['model']}`, {workload} "
+                      f"workload, batch {batch}, {report['output_len']} greedy tokens: on / off output tok/s")
+            by_position = ", ".join(f"{rate:.0%}" for rate in on["acceptance_by_position"])
+            yield (figure, f"**{pair['speedup']:.2f}x** ({on['output_tok_s']:.1f} / {off['output_tok_s']:.1f}; "
+                           f"{on['tokens_per_step']:.2f} / {off['tokens_per_step']:.2f} tokens per step; "
+                           f"{on['acceptance_rate']:.0%} of drafts accepted, by position {by_position or '-'})", "", "")
+
+
 # Benchmark name (the file name's prefix) -> the script that writes it and its rows, in the tables' order.
 BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "throughput": ("throughput.py", throughput_rows),
@@ -215,6 +227,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "simulator_speed": ("simulator_speed.py", simulator_speed_rows),
     "pd_serving": ("pd_serving.py", pd_serving_rows),
     "vs_vllm": ("vs_vllm.py", vs_vllm_rows),
+    "speculative": ("speculative.py", speculative_rows),
 }
 
 
