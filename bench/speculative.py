@@ -3,10 +3,12 @@
 Two workloads, each greedy with ``ignore_eos`` so both runs produce the same tokens (speculation is lossless):
 ``bench`` is ``bench/throughput.py``'s (random prompt tokens: little for prompt lookup to find) and
 ``repetitive`` is text that quotes itself (lists, tables, code with repeated shapes: what prompt lookup is for).
-Each runs at batch 1 (requests one after another) and batch 16, without speculation and with it, in one process.
+Each runs at batch 1 (requests one after another) and batch 16 (or ``--batches``), without speculation and with
+it, in one process. ``--batches 1,4,8,16`` shows where drafting stops paying, which is where
+``spec_max_batch_size``'s default comes from; the runs here set it to 0 (draft at every batch size).
 
     python bench/speculative.py                  # smollm2, prompt lookup with 4 drafts per step
-    python bench/speculative.py --drafts 2
+    python bench/speculative.py --drafts 2 --batches 1,4,8,16
     python bench/speculative.py --quick          # the demo model, a few short requests: checks the script
 
 A full run writes ``bench/results/speculative_<machine kind>.json``, a ``--quick`` one ``speculative_quick.json``.
@@ -56,7 +58,7 @@ def repetitive_prompts(num: int, seed: int = 0) -> list[str]:
 
 
 def run(model: str, prompts, outputs: list[int], batch: int, drafts: int) -> dict[str, Any]:
-    llm = LLM(model=model, max_batch_size=batch, ngram_step_num=drafts)
+    llm = LLM(model=model, max_batch_size=batch, ngram_step_num=drafts, spec_max_batch_size=0)
     llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     steps_before, spec_before = llm.engine.scheduler.stats.num_steps, llm.spec_decoding_stats
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--drafts", type=int, default=4, help="prompt-lookup drafts per step")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batches", default="1,16", help="batch sizes, comma-separated (default 1,16)")
     parser.add_argument("--quick", action="store_true", help="the demo model, 4 requests of 16 tokens")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = len(load_tokenizer(resolve_model_dir(model)))
     bench_prompts, _ = make_workload(vocab, num, (32, 256), (output_len, output_len), seed=0)
     workloads = {"bench": bench_prompts, "repetitive": repetitive_prompts(num)}
-    batches = {1: max(1, num // 4), 16: num}  # batch size -> requests: batch 1 runs fewer, one after another
+    # Batch size -> requests: batch 1 runs fewer, one after another.
+    batches = {int(b): max(1, num // 4) if int(b) == 1 else num for b in args.batches.split(",")}
 
     report: dict[str, Any] = {"model": model, "drafter": "ngram", "num_draft_tokens": args.drafts,
                               "output_len": output_len, "runs": {}}

@@ -27,6 +27,11 @@ class GlobalSetting:
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
 
 
+# ``bench/speculative.py --batches 1,4,8,16`` on smollm2: prompt lookup's verify steps pay at batch 1 and 4 (1.3x
+# to 2.7x the output rate), break even at 8 and cost more than they save at 16 (0.8x).
+SPEC_MAX_BATCH_SIZE = 4
+
+
 @attrs.define(kw_only=True)
 class BatchSchedulerSetting:
     max_batch_size: int = 64
@@ -47,6 +52,10 @@ class BatchSchedulerSetting:
     ngram_step_num: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # Drafts only while at most this many requests run (0: at any batch size). A verify row runs through the general
+    # forward, not the fused one-token decode: its extra positions are nearly free at small batches and cost more
+    # than they save at large ones (``bench/speculative.py --batches 1,4,8,16``).
+    spec_max_batch_size: int = SPEC_MAX_BATCH_SIZE
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -234,6 +243,7 @@ def _validate(config: KsanaConfig) -> KsanaConfig:
         (not (s.mtp_step_num and s.ngram_step_num), "setting.batch_scheduler.ngram_step_num",
          "cannot be set together with setting.batch_scheduler.mtp_step_num (one drafter at a time)"),
         (s.prompt_lookup_min >= 1, "setting.batch_scheduler.prompt_lookup_min", "must be at least 1"),
+        (s.spec_max_batch_size >= 0, "setting.batch_scheduler.spec_max_batch_size", "must be non-negative"),
         (s.prompt_lookup_max >= s.prompt_lookup_min, "setting.batch_scheduler.prompt_lookup_max",
          "must be at least setting.batch_scheduler.prompt_lookup_min"),
         (g.tensor_para_size >= 1, "setting.global.tensor_para_size", "must be at least 1"),

@@ -24,6 +24,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding by prompt lookup: K draft tokens per step (0: off)")
     parser.add_argument("--prompt-lookup-min", type=int, metavar="N", help="shortest suffix prompt lookup matches")
     parser.add_argument("--prompt-lookup-max", type=int, metavar="N", help="longest suffix prompt lookup matches")
+    parser.add_argument("--spec-max-batch-size", type=int, metavar="N",
+                        help="draft only while at most N requests run (0: at any batch size)")
     parser.add_argument("--mtp-step-num", type=int, metavar="K",
                         help="speculative decoding by the model's MTP modules: K draft tokens per step (0: off)")
 
@@ -31,5 +33,5 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def config_overrides(args: argparse.Namespace) -> dict:
     keys = ("dtype", "max_batch_size", "max_step_tokens", "block_token_num", "split_fuse_token_num",
             "num_device_blocks", "enable_auto_prefix_cache", "async_scheduling", "ngram_step_num",
-            "prompt_lookup_min", "prompt_lookup_max", "mtp_step_num")
+            "prompt_lookup_min", "prompt_lookup_max", "spec_max_batch_size", "mtp_step_num")
     return {key: getattr(args, key) for key in keys}

@@ -494,6 +494,8 @@ class BatchScheduler:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
         if limit <= 0 or request.num_pending_tokens:
             return ()
+        if setting.spec_max_batch_size and len(self.running) > setting.spec_max_batch_size:
+            return ()
         if setting.mtp_step_num:
             return tuple(request.draft_token_ids[:limit])
         return tuple(propose_ngram(request.token_ids, limit, setting.prompt_lookup_min, setting.prompt_lookup_max))

@@ -50,8 +50,7 @@ class ModelRunner:
         # The token sampled for each row of the last step: a plan made while that step ran names them with
         # ``PLACEHOLDER_TOKEN``. Tensor-parallel ranks that do not sample are handed rank 0's.
         self.last_sampled: dict[str, int] = {}
-        # The model's own layers' caches; an MTP drafter's layers follow them in the pool (``MTPDrafter``).
-        self.model_kv_layers = kv_cache.layers[:model.shape.num_layers]
+        # Speculative decoding with the model's MTP modules; their cache layers follow the model's in the pool.
         self.mtp_drafter: MTPDrafter | None = None
 
     def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings, dict[str, PromptLogprobs]]:
@@ -124,9 +123,12 @@ class ModelRunner:
             ends = list(itertools.accumulate(meta.query_lens_list))
             index = [ends[i] - 1 - k for i in sample_rows for k in range(rows[i].num_draft_tokens, -1, -1)]
             last_index = torch.tensor(index, dtype=torch.int64, device=self.device)
+        kv_layers = self.kv_cache.layers
+        if self.mtp_drafter is not None:
+            kv_layers = kv_layers[:len(kv_layers) - len(self.mtp_drafter.kv_layers)]
         t1 = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.model_kv_layers, meta)
+            hidden = self.model(input_ids, positions, kv_layers, meta)
             prompt_logprobs = {}
             if any(row.prompt_logprob_token_ids for row in rows):
                 starts = [0, *itertools.accumulate(meta.query_lens_list)]

@@ -86,7 +86,7 @@ def attending_mtp_parts(tmp_path_factory):
 
 
 def _run(path, prompts, params=GREEDY, **overrides):
-    llm = LLM(model=str(path), dtype="float32", block_token_num=16, **overrides)
+    llm = LLM(model=str(path), dtype="float32", block_token_num=16, spec_max_batch_size=0, **overrides)
     results = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.cache_manager.num_free_blocks == llm.engine.num_blocks
     return llm, [[c.token_ids for c in r.outputs] for r in results]

@@ -21,7 +21,7 @@ from tests.model_factory import hf_greedy_generate, load_hf_model, make_checkpoi
 
 NUM_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=0)
-SPEC = dict(ngram_step_num=3, prompt_lookup_min=1, prompt_lookup_max=3)
+SPEC = dict(ngram_step_num=3, prompt_lookup_min=1, prompt_lookup_max=3, spec_max_batch_size=0)
 
 
 def repeating_prompts(seed: int = 5) -> list[list[int]]:
@@ -126,3 +126,13 @@ def test_sampled_tokens_follow_the_model_distribution(tmp_path):
 def test_bad_speculation_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         LLM(model="demo", **overrides)
+
+
+def test_no_drafts_while_more_requests_run_than_spec_max_batch_size(checkpoints):
+    prompts = repeating_prompts()[:4] * 2  # 8 requests that run to the same length side by side
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    capped, capped_results = _run(checkpoints["llama"], prompts, params, **{**SPEC, "spec_max_batch_size": 4})
+    drafting, results = _run(checkpoints["llama"], prompts, params, **{**SPEC, "spec_max_batch_size": 8})
+    assert capped.spec_decoding_stats.num_verify_rows == 0
+    assert drafting.spec_decoding_stats.num_verify_rows > 0
+    assert [r.outputs[0].token_ids for r in capped_results] == [r.outputs[0].token_ids for r in results]
