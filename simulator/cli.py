@@ -48,6 +48,17 @@ def _slo(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected {name}:MILLISECONDS, got {text!r}") from None
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    """argparse's ``type`` for ``--spec-acceptance``: comma-separated probabilities."""
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        rates = ()
+    if not rates or not all(0.0 <= rate <= 1.0 for rate in rates):
+        raise argparse.ArgumentTypeError(f"takes probabilities in [0, 1], comma-separated, not {text!r}")
+    return rates
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -80,6 +91,8 @@ def add_simulate_parser(subparsers) -> None:
     sim.add_argument("--out", default="simulation.json", help="report JSON (the load generator's schema)")
     sim.add_argument("--chrome-trace", help="also write the run's message trace as Chrome trace JSON here")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sim.add_argument("--spec-acceptance", type=_rates, default=(), metavar="P0,P1,...",
+                     help="with speculative decoding on: the acceptance rate of the draft at each position")
     sim.set_defaults(func=_cmd_simulate)
     sub = sim.add_subparsers(dest="simulate_command")
 
@@ -192,7 +205,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.profile is None:
         raise ValueError("ksana simulate needs --profile (a latency fit or a perf result)")
-    setup = prepare(args.model, args.config, config_overrides(args), args.profile)
+    setup = prepare(args.model, args.config, config_overrides(args), args.profile,
+                    spec_acceptance=args.spec_acceptance)
     if args.trace:
         requests, dataset = read_trace(args.trace), args.trace
     else:
@@ -207,6 +221,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     report["simulation"] = {"wall_s": result.wall_s, "num_steps": len(result.steps),
                             "num_blocks": setup.layout.num_blocks, "block_size": setup.layout.block_size,
                             "profile": str(args.profile), "fit_identity": setup.fit.identity}
+    if result.spec_stats is not None:
+        report["simulation"]["speculative_decoding"] = result.spec_stats.to_dict()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ksana.bench.trace import TraceRequest, check_fits
 from ksana.builtin import resolve_model_dir
-from ksana.config import KsanaConfig, load_config
+from ksana.config import ConfigError, KsanaConfig, load_config
 from ksana.engine import (
     EngineLayout,
     assemble_loop,
@@ -36,7 +36,8 @@ from ksana.models.shape import ModelShape
 from ksana.simulator.fit import LatencyFit, check_identity, load_fit
 from ksana.simulator.profile import IDENTITY_KEYS
 from ksana.simulator.replay import RequestTimeline, WorkloadReplayer
-from ksana.simulator.worker import SimulatedWorker, StepRecord
+from ksana.simulator.worker import SimulatedWorker, SpecAcceptance, StepRecord
+from ksana.spec.stats import SpecDecodingStats
 
 
 @attrs.frozen
@@ -46,6 +47,7 @@ class SimulationSetup:
     shape: ModelShape
     layout: EngineLayout
     fit: LatencyFit
+    spec: SpecAcceptance | None = None  # speculative decoding's acceptance, when the configuration turns it on
 
 
 @attrs.frozen
@@ -54,6 +56,7 @@ class SimulationResult:
     steps: list[StepRecord]
     wall_s: float  # real seconds the simulation took
     trace: Trace | None
+    spec_stats: SpecDecodingStats | None = None
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
@@ -73,9 +76,12 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
 
 
 def prepare(model: str | None, config_path: str | None, overrides: dict[str, Any], profile: str | Path,
-            layout_overrides: dict[str, int] | None = None) -> SimulationSetup:
+            layout_overrides: dict[str, int] | None = None,
+            spec_acceptance: tuple[float, ...] = ()) -> SimulationSetup:
     """Everything a simulation needs, checked: the configuration, the model's shape, the KV pool and a fit that
-    matches them. Raises ``ConfigError``/``ProfileError`` (``ValueError``s) with one-line messages."""
+    matches them; with speculative decoding on, the acceptance rate of each draft position (``spec_acceptance``),
+    which a simulation cannot know. Raises ``ConfigError``/``ProfileError`` (``ValueError``s) with one-line
+    messages."""
     from transformers import AutoConfig
 
     config = load_config(config_path, model_dir=model, **overrides)
@@ -90,7 +96,14 @@ def prepare(model: str | None, config_path: str | None, overrides: dict[str, Any
     expected = {key: getattr(shape, key) for key in IDENTITY_KEYS if key != "dtype"}
     expected |= {"dtype": str(dtype).removeprefix("torch."), "device_type": device.type}
     check_identity(fit, expected, str(profile))
-    return SimulationSetup(config, model_dir, shape, layout, fit)
+    num_drafts = config.scheduler.num_speculative_tokens
+    if num_drafts and not spec_acceptance:
+        raise ConfigError("speculative decoding is on (mtp_step_num or ngram_step_num): a simulation needs the "
+                          "acceptance rate of each draft position (--spec-acceptance, e.g. 0.9,0.8,0.7)")
+    if spec_acceptance and not num_drafts:
+        raise ConfigError("--spec-acceptance needs speculative decoding on (mtp_step_num or ngram_step_num)")
+    spec = SpecAcceptance(num_drafts, tuple(spec_acceptance)) if num_drafts else None
+    return SimulationSetup(config, model_dir, shape, layout, fit, spec)
 
 
 def run_simulation(setup: SimulationSetup, requests: Sequence[TraceRequest], *, seed: int = 0,
@@ -100,7 +113,7 @@ def run_simulation(setup: SimulationSetup, requests: Sequence[TraceRequest], *, 
     check_fits(requests, layout.max_token_len, shape.vocab_size, source)
     scheduler, manager = build_scheduling(setup.config, layout)
     eos = tuple(shape.eos_token_ids)
-    worker = SimulatedWorker(setup.fit, shape.vocab_size, eos)
+    worker = SimulatedWorker(setup.fit, shape.vocab_size, eos, setup.spec)
     bar = tqdm(total=len(requests), desc="simulating", unit="req", disable=not progress, leave=False)
     replayer = WorkloadReplayer(requests, shape.vocab_size, eos, layout.max_token_len, seed=seed,
                                 admission_delay_s=setup.fit.serving_request_ms / 1000, on_progress=bar.update)
@@ -118,4 +131,5 @@ def run_simulation(setup: SimulationSetup, requests: Sequence[TraceRequest], *, 
     finally:
         bar.close()
     return SimulationResult(replayer.timelines, worker.steps, time.perf_counter() - started,
-                            loop.trace if trace_capacity else None)
+                            loop.trace if trace_capacity else None,
+                            scheduler.stats.spec if setup.spec is not None else None)

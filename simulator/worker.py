@@ -5,19 +5,41 @@ Steps run one after another, as on the real worker's lane. A step starts when th
 has finished its own work around the plan (the fitted engine time, counted from the plan's arrival): without
 async scheduling the plan arrives after the previous step's update, so a step costs engine + worker time; with it
 the next plan arrives while a step runs, and the engine's time hides behind the forward unless it is longer.
+
+Speculative decoding (``SpecAcceptance``): the worker drafts for every request it samples (as an MTP module
+would), and accepts a verify row's draft at position ``j`` with the given probability, in order, until one is
+rejected; the scheduler budgets, verifies and rolls back exactly as it does in serving, and the fit prices a
+verify row as the multi-token row it is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import attrs
 import trio
 
 from ksana.events import Actor, handles
-from ksana.messages import ExecuteStep, SampledToken, StepPlan, StepResult, StepTimings
+from ksana.messages import ExecuteStep, SampledToken, ScheduledRow, StepPlan, StepResult, StepTimings
 from ksana.simulator.features import StepShape
 from ksana.simulator.fit import LatencyFit
+
+
+@attrs.frozen
+class SpecAcceptance:
+    """Drafts per step and the probability that the draft at each position is accepted (as ``/metrics``'
+    ``spec_draft_position_acceptance_rate`` or ``bench/speculative.py`` report them)."""
+
+    num_drafts: int
+    by_position: tuple[float, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.by_position) < self.num_drafts:
+            raise ValueError(f"{self.num_drafts} drafts per step need an acceptance rate for each of "
+                             f"{self.num_drafts} positions, got {len(self.by_position)}")
+        if not all(0.0 <= rate <= 1.0 for rate in self.by_position):
+            raise ValueError(f"acceptance rates must lie in [0, 1], got {self.by_position}")
 
 
 @attrs.define
@@ -35,8 +57,10 @@ class StepRecord:
 class SimulatedWorker(Actor):
     name = "worker"
 
-    def __init__(self, fit: LatencyFit, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, fit: LatencyFit, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
+                 spec: SpecAcceptance | None = None) -> None:
         self.fit = fit
+        self.spec = spec
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.steps: list[StepRecord] = []
@@ -61,15 +85,37 @@ class SimulatedWorker(Actor):
             self.busy_s += duration
             self.steps.append(StepRecord(plan.step_id, start, start + duration, len(plan.rows), shape.num_tokens,
                                          sum(1 for q, _ in shape.rows if q > 1)))
-            sampled = {row.request_id: SampledToken(self._token(row.request_id, row.seq_len), 0.0)
-                       for row in plan.rows if row.do_sample}
+            sampled = {row.request_id: self._sample(row) for row in plan.rows if row.do_sample}
             timings = StepTimings(forward_s=duration, started_at=start, finished_at=start + duration)
             await self.send(StepResult(step_id=plan.step_id, sampled=sampled, timings=timings))
 
-    def _token(self, request_id: str, position: int) -> int:
+    def _sample(self, row: ScheduledRow) -> SampledToken:
+        """The row's token; a verify row's drafts accepted by chance, each after the one before it; and the next
+        step's drafts."""
+        if self.spec is None:
+            return SampledToken(self._token(row.request_id, row.seq_len), 0.0)
+        first = row.seq_len - row.num_draft_tokens  # the position of the row's first new token
+        drafts = row.draft_token_ids if row.num_draft_tokens else ()
+        num_accepted = 0
+        while num_accepted < len(drafts) and self._accepts(row.request_id, first + num_accepted, num_accepted):
+            num_accepted += 1
+        rejected = drafts[num_accepted] if num_accepted < len(drafts) else None
+        emitted = [*drafts[:num_accepted], self._token(row.request_id, first + num_accepted, avoid=rejected)]
+        last = first + len(emitted)
+        next_drafts = tuple(self._token(row.request_id, last + j) for j in range(self.spec.num_drafts))
+        tokens = [SampledToken(token, 0.0) for token in emitted]
+        return attrs.evolve(tokens[0], following=tuple(tokens[1:]), draft_token_ids=next_drafts)
+
+    def _accepts(self, request_id: str, position: int, draft_index: int) -> bool:
+        """A fixed coin per request and position: blake2b's bits are uniform where crc32's, over strings that
+        differ in a digit, are not."""
+        digest = hashlib.blake2b(f"accept:{request_id}:{position}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") / 2**64 < self.spec.by_position[draft_index]
+
+    def _token(self, request_id: str, position: int, avoid: int | None = None) -> int:
         """A token that depends on the request and position (so outputs differ, as a model's would) and is never
         an end-of-sequence id (output lengths come from the workload)."""
         token = zlib.crc32(f"{request_id}:{position}".encode()) % self.vocab_size
-        while token in self.eos_token_ids:
+        while token in self.eos_token_ids or token == avoid:  # ``avoid``: a rejected draft, which it is not
             token = (token + 1) % self.vocab_size
         return token

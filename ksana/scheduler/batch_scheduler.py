@@ -496,7 +496,7 @@ class BatchScheduler:
             return ()
         if setting.spec_max_batch_size and len(self.running) > setting.spec_max_batch_size:
             return ()
-        if setting.mtp_step_num:
+        if request.draft_token_ids or setting.mtp_step_num:  # the worker's (the MTP modules', the simulator's)
             return tuple(request.draft_token_ids[:limit])
         return tuple(propose_ngram(request.token_ids, limit, setting.prompt_lookup_min, setting.prompt_lookup_max))
 

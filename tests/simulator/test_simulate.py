@@ -136,3 +136,42 @@ def test_a_request_longer_than_the_model_is_refused(tmp_path, identity):
     with pytest.raises(TraceError, match=r"t.jsonl: request 1 \(line 2\): prompt_len \+ output_len"):
         run_simulation(setup, [TraceRequest(0.0, 10, 2), TraceRequest(1.0, too_long, 1)], progress=False,
                        source="t.jsonl")
+
+
+def test_speculation_runs_through_the_schedulers_verify_and_rollback(tmp_path, identity):
+    """Four drafts a step: accepted every time, a 21-token request takes its prefill and 4 verify steps of 5
+    tokens; never accepted, it takes as many steps as without speculation; half accepted, about half."""
+    request = [TraceRequest(0.0, 100, 21)]
+    plain = run_simulation(_setup(tmp_path, identity), request, progress=False)
+    assert len(plain.steps) == 21 and plain.spec_stats is None
+
+    def run(rates):
+        setup = prepare("demo", None, {"dtype": "float32", "ngram_step_num": 4}, tmp_path / "fit.json",
+                        spec_acceptance=rates)
+        return run_simulation(setup, request, progress=False)
+
+    always = run((1.0, 1.0, 1.0, 1.0))
+    assert len(always.steps) == 5 and [len(t.token_times_s) for t in always.timelines] == [21]
+    assert always.spec_stats.mean_accepted_length == 5.0 and always.spec_stats.acceptance_rate == 1.0
+    never = run((0.0, 0.0, 0.0, 0.0))
+    assert len(never.steps) == 21 and never.spec_stats.spec_draft_hit_num == 0
+    assert never.timelines[0].finished_s > plain.timelines[0].finished_s  # verify rows cost more than decodes
+
+    many = [TraceRequest(0.0, 50, 200) for _ in range(4)]
+    setup = prepare("demo", None, {"dtype": "float32", "mtp_step_num": 1, "spec_max_batch_size": 0},
+                    tmp_path / "fit.json", spec_acceptance=(0.5,))
+    half = run_simulation(setup, many, progress=False)
+    assert [len(t.token_times_s) for t in half.timelines] == [200] * 4
+    assert half.spec_stats.acceptance_rate == pytest.approx(0.5, abs=0.06)
+
+
+@pytest.mark.parametrize("overrides, rates, message", [
+    ({"ngram_step_num": 2}, (), "acceptance rate of each draft position"),
+    ({}, (0.5,), "needs speculative decoding on"),
+    ({"ngram_step_num": 3}, (0.9, 0.8), "need an acceptance rate for each of 3"),
+])
+def test_simulating_speculation_needs_matching_acceptance_rates(tmp_path, identity, overrides, rates, message):
+    path = tmp_path / "fit.json"
+    linear_fit(identity).save(path)
+    with pytest.raises(ValueError, match=message):
+        prepare("demo", None, {"dtype": "float32", **overrides}, path, spec_acceptance=rates)
