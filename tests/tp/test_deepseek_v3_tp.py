@@ -1,0 +1,135 @@
+"""DeepSeek-V3 (MLA, MoE) under tensor parallelism on CPU over gloo: TP=2 generates exactly what transformers and
+TP=1 do, with chunked prefill and preemption (decode rows take the absorbed MLA path, prefill chunks the expanded
+one, on each rank's heads); each rank caches the whole latent and holds half of every split weight; a shape whose
+heads or expert size do not divide is refused naming the config key and the dimension."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ksana import LLM, SamplingParams
+from ksana.config import ConfigError
+from ksana.models.parallel import check_tp_size
+from ksana.models.shape import ModelShape
+from ksana.worker.kv_cache import KVCache
+from tests.model_factory import (
+    DEEPSEEK_FAMILIES,
+    hf_greedy_generate,
+    load_hf_model,
+    make_checkpoint,
+    random_prompts,
+    tiny_config,
+)
+
+# 4-token blocks, 8-token chunks, a 24-token step budget and a small pool: chunked prefill and preemption.
+ENGINE = dict(num_device_blocks=14, block_token_num=4, split_fuse_token_num=8, max_step_tokens=24, device="cpu",
+              dtype="float32")
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPT_LENGTHS = [5, 17, 40, 9, 23]
+# Parameters every rank holds whole: the latent projections and norms, the layer norms, the router.
+REPLICATED = ("in_weight", "in_bias", "norm_weight", "gate_weight", "score_bias")
+
+
+def _tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek-tp")
+    return {family: make_checkpoint(root, family) for family in DEEPSEEK_FAMILIES}
+
+
+@pytest.fixture
+def tp_llm():
+    """Builds TP engines and always stops their ranks, even when the test fails."""
+    made: list[LLM] = []
+
+    def build(model_dir, **overrides) -> LLM:
+        llm = LLM(model=str(model_dir), tensor_para_size=2, **overrides)
+        made.append(llm)
+        return llm
+
+    yield build
+    for llm in made:
+        llm.engine.close()
+        assert all(proc.poll() is not None for proc in llm.engine.tp_runner.procs)
+
+
+@pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
+def test_tp2_greedy_equals_transformers_and_tp1(checkpoints, tp_llm, family):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    hf = load_hf_model(checkpoints[family])
+    expected = [hf_greedy_generate(hf, prompt, GREEDY.max_tokens) for prompt in prompts]
+    reference = LLM(model=str(checkpoints[family]), **ENGINE)
+    assert _tokens(reference, prompts) == expected
+    assert reference.engine.scheduler.stats.num_preemptions > 0
+
+    llm = tp_llm(checkpoints[family], **ENGINE)
+    assert llm.engine.tp_runner.world_size == 2
+    assert _tokens(llm, prompts) == expected
+    stats = llm.engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert stats.num_steps > GREEDY.max_tokens + sum(PROMPT_LENGTHS) // ENGINE["max_step_tokens"]
+
+    # Prompt logprobs: the logits of every prompt position, gathered across the ranks' vocabulary shards.
+    asked = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for want, got in zip(reference.generate(prompts, asked, use_tqdm=False),
+                         llm.generate(prompts, asked, use_tqdm=False), strict=True):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(want.prompt_token_ids)
+        for got_entry, want_entry in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert list(got_entry) == list(want_entry)
+            assert [v.logprob for v in got_entry.values()] == pytest.approx(
+                [v.logprob for v in want_entry.values()], abs=1e-4)
+
+    # Each rank holds half of every split weight (heads, experts, vocabulary); the rest whole.
+    full = replicated = 0
+    for name, param in reference.engine.model.named_parameters():
+        size = param.numel() * param.element_size()
+        full += size
+        replicated += size if name.endswith(REPLICATED) else 0
+    assert llm.engine.tp_runner.rank_param_bytes() == [(full - replicated) // 2 + replicated] * 2
+
+
+def test_each_rank_caches_the_whole_latent(checkpoints, tp_llm):
+    """The rank's shape halves the heads and MLP sizes but keeps the one latent head: its KV cache is the full
+    one, ``[blocks, block_size, 1, kv_lora_rank]`` and ``[blocks, block_size, 1, qk_rope_head_dim]`` per layer."""
+    llm = tp_llm(checkpoints["deepseek_v3"], **ENGINE)
+    model = llm.engine.model
+    shape, rank = model.shape, model.rank_shape
+    assert (rank.num_heads, rank.moe_intermediate_size, rank.intermediate_size) == (2, 16, 64)
+    assert (rank.kv_cache_heads, rank.k_cache_dim, rank.v_cache_dim) == (1, 32, 8)
+    assert KVCache.bytes_per_block(rank, 4, torch.float32) == KVCache.bytes_per_block(shape, 4, torch.float32)
+    cache = llm.engine.kv_cache
+    assert len(cache.layers) == shape.num_layers
+    for latent, rope in cache.layers:
+        assert latent.shape == (14, 4, 1, 32) and rope.shape == (14, 4, 1, 8)
+    attn = model.layers[1].self_attn
+    assert attn.num_heads == 2 and attn.q_weight.shape == (2 * 24, 32) and attn.kv_b_weight.shape == (2 * 32, 32)
+    moe = model.layers[1].mlp
+    assert moe.experts_gate_up.shape == (8 * 2 * 16, 64) and moe.shared.down_weight.shape == (64, 16)
+    assert model.embed_weight.shape == (256, 64)
+
+
+def test_shapes_that_do_not_divide_are_refused_naming_the_dimension():
+    def shape(**overrides) -> ModelShape:
+        return ModelShape.from_hf_config(tiny_config("deepseek_v3", **overrides), dtype=torch.float32)
+
+    with pytest.raises(ConfigError, match=r"tensor_para_size' = 2 .*3 attention heads do not divide into 2 ranks "
+                                          r"\(num_attention_heads\)"):
+        check_tp_size(shape(num_attention_heads=3, num_key_value_heads=3), 2)
+    with pytest.raises(ConfigError, match=r"expert MLP size 33 does not divide into 2 ranks \(moe_intermediate_size\)"):
+        check_tp_size(shape(moe_intermediate_size=33), 2)
+    with pytest.raises(ConfigError, match=r"MLP size 130 does not divide into 4 ranks \(intermediate_size\)"):
+        check_tp_size(shape(intermediate_size=130), 4)
+    check_tp_size(shape(intermediate_size=130, first_k_dense_replace=0), 4)  # no dense layer: nothing to split
+    check_tp_size(shape(), 4)  # one latent head: no KV heads to divide
+    with pytest.raises(ConfigError, match=r"4 attention heads do not divide into 8 ranks"):
+        check_tp_size(shape(), 8)
+
+
+def test_engine_refuses_heads_that_do_not_divide_before_spawning(tmp_path):
+    model_dir = make_checkpoint(tmp_path, "deepseek_v3", num_attention_heads=3, num_key_value_heads=3)
+    with pytest.raises(ConfigError, match=r"3 attention heads do not divide into 2 ranks \(num_attention_heads\)"):
+        LLM(model=str(model_dir), tensor_para_size=2, device="cpu")
