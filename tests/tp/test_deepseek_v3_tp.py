@@ -5,22 +5,38 @@ heads or expert size do not divide is refused naming the config key and the dime
 
 from __future__ import annotations
 
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from ksana import LLM, SamplingParams
 from ksana.config import ConfigError
+from ksana.models import load_model
 from ksana.models.parallel import check_tp_size
 from ksana.models.shape import ModelShape
 from ksana.worker.kv_cache import KVCache
 from tests.model_factory import (
     DEEPSEEK_FAMILIES,
+    BlockPool,
+    PagedSequence,
+    build_step,
     hf_greedy_generate,
     load_hf_model,
     make_checkpoint,
     random_prompts,
     tiny_config,
 )
+from tests.models.test_model_parity import BLOCK_SIZE, NUM_BLOCKS, PLAN, plan_tokens
+from tests.tp.deepseek_rank import run_steps
+
+RANK_SCRIPT = Path(__file__).with_name("deepseek_rank.py")
 
 # 4-token blocks, 8-token chunks, a 24-token step budget and a small pool: chunked prefill and preemption.
 ENGINE = dict(num_device_blocks=14, block_token_num=4, split_fuse_token_num=8, max_step_tokens=24, device="cpu",
@@ -133,3 +149,72 @@ def test_engine_refuses_heads_that_do_not_divide_before_spawning(tmp_path):
     model_dir = make_checkpoint(tmp_path, "deepseek_v3", num_attention_heads=3, num_key_value_heads=3)
     with pytest.raises(ConfigError, match=r"3 attention heads do not divide into 2 ranks \(num_attention_heads\)"):
         LLM(model=str(model_dir), tensor_para_size=2, device="cpu")
+
+
+# ---- model level: the main layers and the MTP module on every rank ---------------------------------------------
+
+def _with_mtp_module(model_dir: Path, out: Path) -> Path:
+    """``model_dir``'s checkpoint plus one MTP module (``model.layers.3``): the last layer's block under the
+    module's prefix, with random norms, ``eh_proj``, embedding and shared head of its own."""
+    state = load_file(model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    hidden, vocab = state["model.norm.weight"].shape[0], state["lm_head.weight"].shape[0]
+    state |= {name.replace("model.layers.2.", "model.layers.3."): t.clone()
+              for name, t in state.items() if name.startswith("model.layers.2.")}
+    for name, shape in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)),
+                        ("shared_head.norm.weight", (hidden,)), ("shared_head.head.weight", (vocab, hidden)),
+                        ("embed_tokens.weight", (vocab, hidden))):
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        state[f"model.layers.3.{name}"] = base + torch.randn(shape, generator=generator) * 0.15
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _run_ranks(model_dir: Path, steps_path: Path, tmp_path: Path, world_size: int = 2) -> list[list[dict]]:
+    """Every rank of a TP group in a process of its own (real ranks over gloo); their ``run_steps`` results."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    outs = [tmp_path / f"rank{rank}.pt" for rank in range(world_size)]
+    procs = [subprocess.Popen([sys.executable, "-P", str(RANK_SCRIPT), str(store.port), str(rank), str(world_size),
+                               str(model_dir), str(steps_path), str(out)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank, out in enumerate(outs)]
+    try:
+        logs = [proc.communicate(timeout=300)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log}"
+    return [torch.load(out, weights_only=False) for out in outs]
+
+
+@pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
+def test_tp2_main_and_mtp_forward_equal_tp1(checkpoints, tmp_path, family):
+    """PLAN's chunked prefill and decode (absorbed and expanded MLA on each rank's heads) through the main layers
+    and the MTP module: every rank's hidden states and gathered logits equal one process's."""
+    model_dir = _with_mtp_module(checkpoints[family], tmp_path / "mtp")
+    tokens = plan_tokens()
+    seqs = {name: PagedSequence(t) for name, t in tokens.items()}
+    pool = BlockPool(NUM_BLOCKS, seed=4)
+    torch.manual_seed(5)
+    steps = []
+    for step in PLAN:
+        input_ids, positions, meta = build_step([(seqs[name], n) for name, n in step], BLOCK_SIZE, pool)
+        steps.append((input_ids, positions, meta, torch.randn(len(input_ids), 64)))
+    steps_path = tmp_path / "steps.pt"
+    torch.save((steps, NUM_BLOCKS, BLOCK_SIZE), steps_path)
+
+    model = load_model(model_dir)
+    assert model.num_mtp_layers == 1
+    expected = run_steps(model, steps, NUM_BLOCKS, BLOCK_SIZE)
+    for rank, results in enumerate(_run_ranks(model_dir, steps_path, tmp_path)):
+        for index, (got, want) in enumerate(zip(results, expected, strict=True)):
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, k=key, i=index, r=rank: f"rank {r}, step {i}, {k}: {m}")
