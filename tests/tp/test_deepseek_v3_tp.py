@@ -218,3 +218,29 @@ def test_tp2_main_and_mtp_forward_equal_tp1(checkpoints, tmp_path, family):
             for key in want:
                 torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-4,
                                            msg=lambda m, k=key, i=index, r=rank: f"rank {r}, step {i}, {k}: {m}")
+
+
+def test_perf_run_with_tp2_times_the_all_reduce(checkpoints, tmp_path):
+    """``ksana perf`` on a DeepSeek-V3 checkpoint at TP=2: two all-reduces per layer pass (after ``o_proj``, after
+    the MLP or the experts' sum), plus the vocabulary-parallel embedding and the logits gather."""
+    rounds, num_layers = 2, 3
+    batches = {"batch_0": {"dp_0": [{"forwarding_token_num": 16, "sequence_len": 16},
+                                    {"forwarding_token_num": 1, "sequence_len": 40, "request_num": 2}]}}
+    (tmp_path / "batches.json").write_text(json.dumps(batches))
+    (tmp_path / "runtime.yaml").write_text("setting:\n  global:\n    tensor_para_size: 2\n")
+    config = {"model_dir": str(checkpoints["deepseek_v3"]), "batch_config": "batches.json",
+              "runtime_config": "runtime.yaml", "warmup_rounds": 1, "stat_rounds": 1, "output_file": "result.json",
+              "layer_forward_round": rounds}
+    (tmp_path / "model_perf_config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "ksana.cli", "perf", "--config", str(tmp_path / "model_perf_config.json"),
+         "--no-progress", "--device", "cpu"], capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["meta"]["runtime"]["tensor_para_size"] == 2
+    for round_ in result["batches"][0]["rounds"]:
+        ops = round_["operators"]
+        assert ops["all_reduce"]["calls"] == 2 * num_layers * rounds + 2
+        assert min(ops["all_reduce"]["per_layer_ms"]) > 0
+        assert ops["attention_prefill"]["calls"] == num_layers * rounds
