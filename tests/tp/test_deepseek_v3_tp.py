@@ -194,11 +194,17 @@ def _run_ranks(model_dir: Path, steps_path: Path, tmp_path: Path, world_size: in
     return [torch.load(out, weights_only=False) for out in outs]
 
 
-@pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
-def test_tp2_main_and_mtp_forward_equal_tp1(checkpoints, tmp_path, family):
+@pytest.mark.parametrize("variant", [*DEEPSEEK_FAMILIES, "deepseek_v3-attention-bias"])
+def test_tp2_main_and_mtp_forward_equal_tp1(checkpoints, tmp_path, variant):
     """PLAN's chunked prefill and decode (absorbed and expanded MLA on each rank's heads) through the main layers
-    and the MTP module: every rank's hidden states and gathered logits equal one process's."""
-    model_dir = _with_mtp_module(checkpoints[family], tmp_path / "mtp")
+    and the MTP module: every rank's hidden states and gathered logits equal one process's. With attention biases,
+    the replicated ``q_a``/``kv_a`` biases apply on every rank and the row-parallel ``o_proj`` bias once."""
+    if variant in checkpoints:
+        base = checkpoints[variant]
+    else:
+        base = make_checkpoint(tmp_path, "deepseek_v3", attention_bias=True)
+        assert "model.layers.0.self_attn.o_proj.bias" in load_file(base / "model.safetensors")
+    model_dir = _with_mtp_module(base, tmp_path / "mtp")
     tokens = plan_tokens()
     seqs = {name: PagedSequence(t) for name, t in tokens.items()}
     pool = BlockPool(NUM_BLOCKS, seed=4)
