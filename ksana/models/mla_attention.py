@@ -8,6 +8,12 @@ cached latent into per-head keys and values through ``kv_b_proj``, as ``transfor
 With a ``q_lora_rank``, ``q_a_proj`` and ``kv_a_proj_with_mqa`` share one matmul (both read the layer input). The
 ``q_a``/``kv_a`` norms use eps 1e-6, as transformers builds them; ``rope_interleave`` rotates the checkpoint's
 interleaved rotary pairs as transformers does, by taking the even then the odd dimensions and rotating halves.
+
+Under tensor parallelism (``tp``) a rank holds ``num_attention_heads / N`` query heads: ``q_b_proj`` (or ``q_proj``)
+and ``kv_b_proj`` are column-parallel by head (their rows are head-major), ``o_proj`` row-parallel and followed by
+an all-reduce (its bias added on rank 0 only). ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms stay whole:
+the latent and the rope key are every head's, so each rank computes them and caches the whole latent (the same
+cache on every rank), and both the absorbed decode and the expanded prefill run over the rank's heads alone.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from ksana.kernels.attention_metadata import AttentionMetadata
 from ksana.kernels.dispatch import KernelOps
 from ksana.models.base import WeightSlot
 from ksana.models.moe import empty_param
+from ksana.models.parallel import Shard, TPGroup, rank_and_size
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which q_a_layernorm and kv_a_layernorm keep
 
@@ -43,10 +50,14 @@ def mla_softmax_scale(config: Any) -> float:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, ops: KernelOps, device: torch.device):
+    def __init__(self, config: Any, dtype: torch.dtype, ops: KernelOps, device: torch.device,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.ops = ops
-        self.num_heads = heads = config.num_attention_heads
+        self.rank, num_ranks = rank_and_size(tp)
+        self.sharded = tp is not None
+        self.all_reduce = None if tp is None else tp.all_reduce
+        self.num_heads = heads = config.num_attention_heads // num_ranks
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank
@@ -68,7 +79,8 @@ class MLAttention(nn.Module):
         self.kv_a_norm_weight = empty_param((self.kv_lora_rank,), dtype, device)
         self.kv_b_weight = empty_param((heads * (self.nope_dim + self.v_dim), self.kv_lora_rank), dtype, device)
         self.o_weight = empty_param((hidden, heads * self.v_dim), dtype, device)
-        self.o_bias = empty_param((hidden,), dtype, device) if bias else None
+        # Row-parallel: the bias is added once, by rank 0, before the all-reduce.
+        self.o_bias = empty_param((hidden,), dtype, device) if bias and self.rank == 0 else None
         # The cache store and attention kernels, swapped for timed ones in perf mode.
         self.store: Callable[..., None] = mla.store_latent
         self.decode_attention: Callable[..., torch.Tensor] = mla.mla_decode_attention
@@ -90,8 +102,22 @@ class MLAttention(nn.Module):
             slots[f"{prefix}.kv_a_proj_with_mqa.bias"] = WeightSlot(self.in_bias, self.q_a_rows, kv_a_rows)
             if self.q_lora_rank:
                 slots[f"{prefix}.q_a_proj.bias"] = WeightSlot(self.in_bias, 0, self.q_a_rows)
+        if self.o_bias is not None:
             slots[f"{prefix}.o_proj.bias"] = WeightSlot(self.o_bias)
         return slots
+
+    def weight_shards(self, prefix: str) -> dict[str, Shard]:
+        """The part of each checkpoint tensor this rank reads: its heads' rows of ``q_b_proj``/``q_proj`` and
+        ``kv_b_proj``, their columns of ``o_proj`` (empty without tensor parallelism)."""
+        if not self.sharded:
+            return {}
+        h, r = self.num_heads, self.rank
+        q_rows = h * (self.nope_dim + self.rope_dim)
+        kv_rows = h * (self.nope_dim + self.v_dim)
+        q_name = "q_b_proj" if self.q_lora_rank else "q_proj"
+        return {f"{prefix}.{q_name}.weight": Shard(0, r * q_rows, q_rows),
+                f"{prefix}.kv_b_proj.weight": Shard(0, r * kv_rows, kv_rows),
+                f"{prefix}.o_proj.weight": Shard(1, r * h * self.v_dim, h * self.v_dim)}
 
     def forward(
         self,
@@ -147,4 +173,5 @@ class MLAttention(nn.Module):
             outs.append(self.prefill_attention(q, key, expanded[..., self.nope_dim :], self.scale, first_key))
             start = end
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.ops.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim), self.o_weight, self.o_bias)
+        out = self.ops.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim), self.o_weight, self.o_bias)
+        return out if self.all_reduce is None else self.all_reduce(out)

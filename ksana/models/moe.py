@@ -6,6 +6,12 @@ The router follows ``transformers``' ``DeepseekV3TopkRouter`` step for step: sig
 renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``, weight their outputs. The gate and the bias
 stay float32 whatever the model dtype (as transformers keeps them), and the weighted expert outputs are summed in
 float32 before the cast back, as its grouped-matmul experts do, so bfloat16 rounds where it rounds.
+
+Under tensor parallelism (``tp``) the router stays whole on every rank (each picks the same experts, from the same
+all-reduced input); every routed expert and the shared experts are split over their MLP size, gate/up
+column-parallel and down row-parallel, so a rank holds ``1/N`` of each expert and computes a partial output of every
+chosen one. The routed sum and the shared experts' partial output are added first and all-reduced once per layer.
+A dense layer's ``GatedMLP`` splits the same way and all-reduces its own output.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 
 from ksana.kernels.dispatch import KernelOps
 from ksana.models.base import WeightSlot
+from ksana.models.parallel import Shard, TPGroup, rank_and_size
 
 
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -25,15 +32,22 @@ def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (a dense layer, the shared experts)."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (a dense layer, the shared experts).
+
+    Under tensor parallelism this rank's ``intermediate_size / N`` slice; ``reduce`` all-reduces the output (a dense
+    layer), else the caller adds the partial output to others before one all-reduce (the shared experts).
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, ops: KernelOps,
-                 device: torch.device):
+                 device: torch.device, tp: TPGroup | None = None, reduce: bool = True):
         super().__init__()
         self.ops = ops
-        self.size = intermediate_size
-        self.gate_up_weight = empty_param((2 * intermediate_size, hidden_size), dtype, device)
-        self.down_weight = empty_param((hidden_size, intermediate_size), dtype, device)
+        self.rank, num_ranks = rank_and_size(tp)
+        self.sharded = tp is not None
+        self.all_reduce = tp.all_reduce if tp is not None and reduce else None
+        self.size = intermediate_size // num_ranks
+        self.gate_up_weight = empty_param((2 * self.size, hidden_size), dtype, device)
+        self.down_weight = empty_param((hidden_size, self.size), dtype, device)
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         return {
@@ -42,16 +56,27 @@ class GatedMLP(nn.Module):
             f"{prefix}.down_proj.weight": WeightSlot(self.down_weight),
         }
 
+    def weight_shards(self, prefix: str) -> dict[str, Shard]:
+        """The part of each checkpoint tensor this rank reads (empty without tensor parallelism)."""
+        if not self.sharded:
+            return {}
+        rows, columns = Shard(0, self.rank * self.size, self.size), Shard(1, self.rank * self.size, self.size)
+        return {f"{prefix}.gate_proj.weight": rows, f"{prefix}.up_proj.weight": rows,
+                f"{prefix}.down_proj.weight": columns}
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.mlp_gate_up(hidden, self.gate_up_weight)
-        return self.ops.mlp_down(self.ops.silu_and_mul(gate_up), self.down_weight)
+        out = self.ops.mlp_down(self.ops.silu_and_mul(gate_up), self.down_weight)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DeepseekMoE(nn.Module):
     """Routed experts plus shared experts. The experts' weights lie in two 2-D tensors, expert ``e``'s gate/up
-    rows at ``e * 2I`` and its down rows at ``e * hidden``, so each checkpoint tensor is one row range."""
+    rows at ``e * 2I`` and its down rows at ``e * hidden``, so each checkpoint tensor is one row range (``I`` is
+    this rank's part of ``moe_intermediate_size`` under tensor parallelism)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, ops: KernelOps, device: torch.device):
+    def __init__(self, config: Any, dtype: torch.dtype, ops: KernelOps, device: torch.device,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.ops = ops
         self.num_experts = config.n_routed_experts
@@ -61,7 +86,10 @@ class DeepseekMoE(nn.Module):
         self.norm_topk_prob = bool(config.norm_topk_prob)
         self.routed_scaling_factor = float(config.routed_scaling_factor)
         self.hidden_size = hidden = config.hidden_size
-        self.expert_size = size = config.moe_intermediate_size
+        self.rank, num_ranks = rank_and_size(tp)
+        self.sharded = tp is not None
+        self.all_reduce = None if tp is None else tp.all_reduce
+        self.expert_size = size = config.moe_intermediate_size // num_ranks
         if self.num_experts % self.num_groups:
             raise ValueError(f"{self.num_experts} routed experts do not divide into n_group={self.num_groups}")
         self.gate_weight = empty_param((self.num_experts, hidden), torch.float32, device)
@@ -69,7 +97,8 @@ class DeepseekMoE(nn.Module):
         self.experts_gate_up = empty_param((self.num_experts * 2 * size, hidden), dtype, device)
         self.experts_down = empty_param((self.num_experts * hidden, size), dtype, device)
         num_shared = config.n_shared_experts or 0
-        self.shared = GatedMLP(hidden, size * num_shared, dtype, ops, device) if num_shared else None
+        self.shared = (GatedMLP(hidden, config.moe_intermediate_size * num_shared, dtype, ops, device, tp,
+                                reduce=False) if num_shared else None)
 
     def weight_slots(self, prefix: str) -> dict[str, WeightSlot]:
         size, hidden = self.expert_size, self.hidden_size
@@ -83,6 +112,21 @@ class DeepseekMoE(nn.Module):
         if self.shared is not None:
             slots |= self.shared.weight_slots(f"{prefix}.shared_experts")
         return slots
+
+    def weight_shards(self, prefix: str) -> dict[str, Shard]:
+        """This rank's slice of every expert (and of the shared experts); the router is read whole."""
+        if not self.sharded:
+            return {}
+        size = self.expert_size
+        rows, columns = Shard(0, self.rank * size, size), Shard(1, self.rank * size, size)
+        shards = {}
+        for e in range(self.num_experts):
+            expert = f"{prefix}.experts.{e}"
+            shards |= {f"{expert}.gate_proj.weight": rows, f"{expert}.up_proj.weight": rows,
+                       f"{expert}.down_proj.weight": columns}
+        if self.shared is not None:
+            shards |= self.shared.weight_shards(f"{prefix}.shared_experts")
+        return shards
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(expert ids [T, top_k], their weights [T, top_k] float32)``."""
@@ -102,8 +146,10 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(hidden)
-        routed = self._experts(hidden, ids, weights)
-        return routed if self.shared is None else routed + self.shared(hidden)
+        out = self._experts(hidden, ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(hidden)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
     def _experts(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once over the rows that chose it; ``[T, hidden]`` in ``hidden``'s dtype."""

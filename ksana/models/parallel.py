@@ -6,6 +6,10 @@
   all-reduce (its bias is added on rank 0 only, so the sum carries it once).
 - Embedding and lm_head are vocabulary-parallel: ``ceil(V/N)`` rows per rank (the last rank's tail is zero
   padding); the embedding all-reduces masked lookups, lm_head all-gathers the logit slices.
+- Multi-head latent attention (DeepSeek-V3) splits its query heads: the latent and the rope key, which every head
+  reads, are computed and cached whole on every rank (``q_a``/``kv_a`` replicated); ``q_b_proj``/``q_proj`` and
+  ``kv_b_proj`` are column-parallel by head, ``o_proj`` row-parallel. A mixture of experts keeps its router
+  whole and splits every expert (and the shared experts) over the MLP size, with one all-reduce for their sum.
 
 A ``Shard`` names the part of a checkpoint tensor a rank reads, so the loader reads only that part.
 """
@@ -45,35 +49,48 @@ def check_tp_size(shape: ModelShape, tp_size: int) -> None:
         raise ConfigError(f"config key '{TP_SIZE_KEY}' must be at least 1, got {tp_size}")
     if tp_size == 1:
         return
-    if shape.is_mla:
-        raise ConfigError(f"config key '{TP_SIZE_KEY}' = {tp_size}: tensor parallelism is not implemented for "
-                          f"multi-head latent attention models ({shape.model_type})")
     problems = []
-    if shape.num_kv_heads < tp_size:
+    # Multi-head latent attention has one latent "head" that every rank caches whole: no KV heads to divide.
+    if not shape.is_mla and shape.num_kv_heads < tp_size:
         problems.append(
             f"more ranks ({tp_size}) than KV heads ({shape.num_kv_heads}): replicating KV heads is not supported"
         )
-    elif shape.num_kv_heads % tp_size:
+    elif not shape.is_mla and shape.num_kv_heads % tp_size:
         problems.append(f"the {shape.num_kv_heads} KV heads do not divide into {tp_size} ranks")
     if shape.num_heads % tp_size:
-        problems.append(f"the {shape.num_heads} attention heads do not divide into {tp_size} ranks")
-    if shape.intermediate_size % tp_size:
-        problems.append(f"the MLP size {shape.intermediate_size} does not divide into {tp_size} ranks")
+        problems.append(f"the {shape.num_heads} attention heads do not divide into {tp_size} ranks "
+                        "(num_attention_heads)")
+    if shape.has_dense_mlp and shape.intermediate_size % tp_size:
+        problems.append(f"the MLP size {shape.intermediate_size} does not divide into {tp_size} ranks "
+                        "(intermediate_size)")
+    if shape.moe_intermediate_size % tp_size:
+        problems.append(f"the expert MLP size {shape.moe_intermediate_size} does not divide into {tp_size} ranks "
+                        "(moe_intermediate_size)")
     if problems:
         raise ConfigError(f"config key '{TP_SIZE_KEY}' = {tp_size} is invalid for this model: "
                           + "; ".join(problems))
 
 
 def rank_shape(shape: ModelShape, rank_count: int) -> ModelShape:
-    """The per-rank sizes (heads, KV heads, MLP); the KV cache of a rank is allocated from this."""
+    """The per-rank sizes (heads, KV heads, MLP, expert MLP); the KV cache of a rank is allocated from this.
+
+    A multi-head latent attention model keeps its one latent "head" (``kv_cache_heads`` 1, ``kv_lora_rank`` and
+    ``qk_rope_head_dim`` wide): every rank caches the whole latent, which all of its query heads read.
+    """
     if rank_count == 1:
         return shape
     return attrs.evolve(
         shape,
         num_heads=shape.num_heads // rank_count,
-        num_kv_heads=shape.num_kv_heads // rank_count,
+        num_kv_heads=shape.num_kv_heads if shape.is_mla else shape.num_kv_heads // rank_count,
         intermediate_size=shape.intermediate_size // rank_count,
+        moe_intermediate_size=shape.moe_intermediate_size // rank_count,
     )
+
+
+def rank_and_size(tp: TPGroup | None) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``tp``; ``(0, 1)`` without tensor parallelism."""
+    return (0, 1) if tp is None else (tp.rank, tp.world_size)
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:

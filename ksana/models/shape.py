@@ -9,6 +9,9 @@ the rotated decoupled key (``qk_rope_head_dim`` wide), one head each (``kv_cache
 ``num_mtp_layers``: the multi-token-prediction modules the model carries beyond ``num_layers`` (DeepSeek's
 next-n layers); each gets a KV cache layer of the same layout when the engine asks for them
 (``KVCache.allocate(..., extra_layers=shape.num_mtp_layers)``).
+
+``moe_intermediate_size`` and ``first_k_dense_replace``: a mixture-of-experts model's expert size and where its
+MoE layers start (the dense ones before use ``intermediate_size``); tensor parallelism splits both sizes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ class ModelShape:
     kv_lora_rank: int = 0  # > 0: multi-head latent attention (see the module docstring)
     qk_rope_head_dim: int = 0
     num_mtp_layers: int = 0
+    moe_intermediate_size: int = 0  # > 0: a mixture of experts (DeepSeek-V3), each routed expert's MLP size
+    first_k_dense_replace: int = 0  # with experts: the layers before this one have a dense MLP (intermediate_size)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer has a dense MLP of ``intermediate_size`` (every layer of a model without experts)."""
+        return not self.moe_intermediate_size or self.first_k_dense_replace > 0
 
     @property
     def is_mla(self) -> bool:
@@ -101,6 +111,8 @@ class ModelShape:
             kv_lora_rank=config.kv_lora_rank,
             qk_rope_head_dim=config.qk_rope_head_dim,
             num_mtp_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
+            moe_intermediate_size=int(getattr(config, "moe_intermediate_size", 0) or 0),
+            first_k_dense_replace=int(getattr(config, "first_k_dense_replace", 0) or 0),
         )
 
 

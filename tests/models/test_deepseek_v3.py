@@ -158,15 +158,14 @@ def test_missing_expert_tensor_is_named(tmp_path: Path) -> None:
         load_model(model_dir)
 
 
-def test_tensor_parallelism_is_refused(tmp_path: Path) -> None:
+def test_tensor_parallel_sizes_that_divide_are_accepted() -> None:
+    """4 heads, expert size 32, MLP 128: 2 and 4 ranks split them (tests/tp/test_deepseek_v3_tp.py runs them)."""
     assert MODEL_FAMILIES["deepseek_v3"] is DeepseekV3ForCausalLM
-    config = tiny_config("deepseek_v3")
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        DeepseekV3ForCausalLM(config, tp=object())
-    shape = ModelShape.from_hf_config(config, torch.float32)
-    with pytest.raises(ConfigError, match="tensor parallelism is not implemented"):
-        check_tp_size(shape, 2)
-    check_tp_size(shape, 1)
+    shape = ModelShape.from_hf_config(tiny_config("deepseek_v3"), torch.float32)
+    for tp_size in (1, 2, 4):
+        check_tp_size(shape, tp_size)
+    with pytest.raises(ConfigError, match="attention heads do not divide"):
+        check_tp_size(shape, 3)
 
 
 # ---- MTP ------------------------------------------------------------------------------------------------------
