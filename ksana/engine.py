@@ -88,17 +88,19 @@ class EngineLayout:
 
 
 def plan_layout(config: KsanaConfig, shape: ModelShape, budget_shape: ModelShape, device: torch.device,
-                dtype: torch.dtype, unloaded_weight_bytes: int = 0) -> EngineLayout:
-    """``budget_shape``: the shape whose KV the device's memory holds (one rank's under tensor parallelism on an
-    accelerator). ``unloaded_weight_bytes``: weights not in memory yet (the simulator loads none), taken off
-    the memory the pool is sized from."""
+                dtype: torch.dtype, unloaded_weight_bytes: int = 0, budget_copies: int = 1) -> EngineLayout:
+    """``budget_shape``: the shape of the KV one rank holds (its share under tensor parallelism), of which the
+    device's memory holds ``budget_copies`` (every rank's, where the ranks share one memory, as on the CPU).
+    ``unloaded_weight_bytes``: weights not in memory yet (the simulator loads none), taken off the memory the pool
+    is sized from."""
     sched = config.setting.batch_scheduler
     model_max = shape.max_position_embeddings
     max_token_len = min(sched.max_token_len or model_max, model_max)
     block_size = config.setting.block_manager.block_token_num
     # MTP drafting keeps its modules' K/V in the same blocks, as extra layers.
     extra_layers = shape.num_mtp_layers if sched.mtp_step_num else 0
-    bytes_per_block = KVCache.bytes_per_block(budget_shape, block_size, dtype, extra_layers=extra_layers)
+    bytes_per_block = budget_copies * KVCache.bytes_per_block(budget_shape, block_size, dtype,
+                                                              extra_layers=extra_layers)
     max_useful = sched.max_batch_size * num_blocks_for(max_token_len, block_size)
     num_blocks = plan_num_blocks(config.setting.block_manager, bytes_per_block, device, max_useful,
                                  unloaded_weight_bytes)
@@ -168,10 +170,11 @@ class InferenceEngine:
         _check_mtp(config, self.shape.num_mtp_layers)
         logger.info("model loaded in %.1f s", time.perf_counter() - started)
 
-        # Each TP rank holds its KV heads' share of a block; on CPU the ranks share one memory, so size by it all.
+        # Each TP rank holds its share of a block (its KV heads; all of an MLA model's latent); on CPU the ranks
+        # share one memory, so size by every rank's.
         kv_shape = getattr(self.model, "rank_shape", self.shape)
-        budget_shape = self.shape if self.device.type == "cpu" else kv_shape
-        self.layout = plan_layout(config, self.shape, budget_shape, self.device, self.dtype)
+        copies = tp_size if self.device.type == "cpu" else 1
+        self.layout = plan_layout(config, self.shape, kv_shape, self.device, self.dtype, budget_copies=copies)
         layout = self.layout
         self.max_token_len = layout.max_token_len
         self.kv_cache = run_in_fresh_thread(KVCache.allocate, kv_shape, layout.num_blocks, layout.block_size,

@@ -32,6 +32,7 @@ from ksana.engine import (
 )
 from ksana.events.clock import VirtualClock
 from ksana.events.trace import Trace
+from ksana.models.parallel import rank_shape
 from ksana.models.shape import ModelShape
 from ksana.simulator.fit import LatencyFit, check_identity, load_fit
 from ksana.simulator.profile import IDENTITY_KEYS
@@ -89,7 +90,10 @@ def prepare(model: str | None, config_path: str | None, overrides: dict[str, Any
     device = resolve_device(config.setting.global_.device)
     dtype = resolve_dtype(config.model_spec.base_model.dtype, device)
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir), dtype)
-    layout = plan_layout(config, shape, shape, device, dtype, unloaded_weight_bytes=weight_bytes(model_dir, dtype))
+    tp_size = config.setting.global_.tensor_para_size
+    layout = plan_layout(config, shape, rank_shape(shape, tp_size), device, dtype,
+                         unloaded_weight_bytes=weight_bytes(model_dir, dtype),
+                         budget_copies=tp_size if device.type == "cpu" else 1)
     if layout_overrides:
         layout = attrs.evolve(layout, **layout_overrides)
     fit = load_fit(profile)

@@ -117,6 +117,8 @@ def test_each_rank_caches_the_whole_latent(checkpoints, tp_llm):
     assert (rank.num_heads, rank.moe_intermediate_size, rank.intermediate_size) == (2, 16, 64)
     assert (rank.kv_cache_heads, rank.k_cache_dim, rank.v_cache_dim) == (1, 32, 8)
     assert KVCache.bytes_per_block(rank, 4, torch.float32) == KVCache.bytes_per_block(shape, 4, torch.float32)
+    # On the CPU the ranks' caches share one memory: the pool is sized by both ranks' full latents.
+    assert llm.engine.layout.bytes_per_block == 2 * KVCache.bytes_per_block(shape, 4, torch.float32)
     cache = llm.engine.kv_cache
     assert len(cache.layers) == shape.num_layers
     for latent, rope in cache.layers:
