@@ -68,8 +68,6 @@ def _check_mtp(config: KsanaConfig, num_mtp_layers: int) -> None:
     if num_mtp_layers > 1 and steps > num_mtp_layers:
         raise ConfigError(f"config key '{key}' is {steps}, but the model's {num_mtp_layers} MTP modules draft "
                           f"{num_mtp_layers} tokens at most")
-    if config.setting.global_.tensor_para_size > 1:
-        raise ConfigError(f"config key '{key}': MTP drafting is not implemented with tensor parallelism")
 
 
 @attrs.frozen
@@ -185,14 +183,14 @@ class InferenceEngine:
                     layout.num_blocks * layout.bytes_per_block / 2**20,
                     f", {layout.num_swa_blocks} SWA blocks" if layout.num_swa_blocks else "")
 
+        mtp_steps = config.setting.batch_scheduler.mtp_step_num
         if self.tp_runner is None:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+            if mtp_steps:
+                self.runner.mtp_drafter = MTPDrafter(self.model, self.kv_cache.layers[self.shape.num_layers:],
+                                                     mtp_steps, layout.block_size)
         else:
-            self.runner = self.tp_runner.start(self.kv_cache)
-        mtp_steps = config.setting.batch_scheduler.mtp_step_num
-        if mtp_steps:
-            self.runner.mtp_drafter = MTPDrafter(self.model, self.kv_cache.layers[self.shape.num_layers:], mtp_steps,
-                                                 layout.block_size)
+            self.runner = self.tp_runner.start(self.kv_cache, mtp_steps)
         remote_store = None
         remote_dir = config.setting.block_manager.remote_cache_dir
         if remote_dir:

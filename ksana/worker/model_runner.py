@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -52,6 +52,8 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}
         # Speculative decoding with the model's MTP modules; their cache layers follow the model's in the pool.
         self.mtp_drafter: MTPDrafter | None = None
+        # Tensor parallelism: rank 0's sampled tokens on every rank, which all run the MTP modules' forward.
+        self.share_sampled: Callable[[dict[str, SampledToken]], dict[str, SampledToken]] | None = None
 
     def execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], StepTimings, dict[str, PromptLogprobs]]:
         """The sampled token of each sampling row, the step's timings, and the prompt logprobs of the rows that
@@ -137,6 +139,8 @@ class ModelRunner:
             t3 = time.perf_counter()
             draft_s = 0.0
             if self.mtp_drafter is not None:  # its cache covers every row's positions, sampled or not
+                if self.share_sampled is not None:
+                    sampled = self.share_sampled(sampled)
                 drafts = self.mtp_drafter.propose(rows, hidden, sampled, self.prepare_inputs)
                 sampled = {rid: attrs.evolve(token, draft_token_ids=drafts.get(rid, ()))
                            for rid, token in sampled.items()}

@@ -47,6 +47,8 @@ class RankSetup:
 class KVSetup:
     num_blocks: int
     block_size: int
+    extra_layers: int = 0  # the MTP modules' cache layers
+    mtp_step_num: int = 0  # > 0: the MTP modules draft, on every rank (their forward has collectives)
 
 
 @attrs.frozen
@@ -91,6 +93,7 @@ def run_rank(group: TPGroup) -> None:
     from ksana.models.registry import load_model
     from ksana.worker.kv_cache import KVCache
     from ksana.worker.model_runner import ModelRunner
+    from ksana.worker.mtp_drafter import MTPDrafter
 
     # The class as rank 0 pickles it (this module may be running as ``__main__``, a module of another name).
     from ksana.worker.tp_rank import KVPairJoin as PairJoin
@@ -109,8 +112,12 @@ def run_rank(group: TPGroup) -> None:
         group.store.set(PARAM_BYTES_KEY.format(rank=rank), str(param_bytes(model)))
         kv: KVSetup = group.broadcast_object()
         kv_cache = KVCache.allocate(model.rank_shape, kv.num_blocks, kv.block_size, dtype, group.device,
-                                    head_major=model.kv_head_major)
+                                    head_major=model.kv_head_major, extra_layers=kv.extra_layers)
         runner = _RankRunner(model, kv_cache, group.device)
+        if kv.mtp_step_num:
+            runner.mtp_drafter = MTPDrafter(model, kv_cache.layers[model.shape.num_layers:], kv.mtp_step_num,
+                                            kv.block_size)
+            runner.share_sampled = lambda _: group.broadcast_object()  # rank 0's tokens
         fail_at, num_steps = _fail_step(rank), 0
         while (message := group.broadcast_object()) is not None:
             if isinstance(message, PairJoin):

@@ -34,6 +34,7 @@ from ksana.models.parallel import CollectiveError, TPGroup, check_tp_size
 from ksana.models.shape import ModelShape
 from ksana.worker.kv_cache import KVCache
 from ksana.worker.model_runner import ModelRunner
+from ksana.worker.mtp_drafter import MTPDrafter
 from ksana.worker.tp_rank import (
     DEFAULT_TIMEOUT_S,
     ERROR_KEY,
@@ -151,14 +152,20 @@ class TPModelRunner:
         self.group.broadcast_object(RankSetup(str(model_dir), dtype_name, self.group.device.type, num_threads))
         self.model = load_model(model_dir, dtype=dtype, device=self.group.device, tp=self.group)
 
-    def start(self, kv_cache: KVCache) -> TPModelRunner:
-        """Every rank allocates a pool of ``kv_cache.num_blocks`` blocks; rank 0 runs on ``kv_cache``."""
+    def start(self, kv_cache: KVCache, mtp_step_num: int = 0) -> TPModelRunner:
+        """Every rank allocates a pool of ``kv_cache.num_blocks`` blocks (and the MTP modules' layers when they
+        draft); rank 0 runs on ``kv_cache``."""
         try:
-            self.group.broadcast_object(KVSetup(kv_cache.num_blocks, kv_cache.block_size))
+            self.group.broadcast_object(KVSetup(kv_cache.num_blocks, kv_cache.block_size, kv_cache.extra_layers,
+                                                mtp_step_num))
         except BaseException as exc:
             self._fail(exc)
             raise self.failure from exc
         self.local = ModelRunner(self.model, kv_cache, self.group.device)
+        if mtp_step_num:
+            self.local.mtp_drafter = MTPDrafter(self.model, kv_cache.layers[self.model.shape.num_layers:],
+                                                mtp_step_num, kv_cache.block_size)
+            self.local.share_sampled = self.group.broadcast_object
         return self
 
     # ---- steps --------------------------------------------------------------------------------------------------

@@ -252,3 +252,22 @@ def test_perf_run_with_tp2_times_the_all_reduce(checkpoints, tmp_path):
         assert ops["all_reduce"]["calls"] == 2 * num_layers * rounds + 2
         assert min(ops["all_reduce"]["per_layer_ms"]) > 0
         assert ops["attention_prefill"]["calls"] == num_layers * rounds
+
+
+def test_mtp_drafting_under_tp2_is_lossless_and_drafts_as_tp1(tmp_path, tp_llm):
+    """Every rank runs the MTP module's forward (its collectives), on rank 0's sampled tokens: the greedy output
+    is the output without drafts, and the drafts are TP=1's (the same acceptance counts)."""
+    from tests.spec.test_mtp import _agreeing_parts
+
+    model_dir = _agreeing_parts(tmp_path, keep_attention=True)[0]
+    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
+    spec = dict(mtp_step_num=2, spec_max_batch_size=0)
+    plain = _tokens(LLM(model=str(model_dir), **ENGINE), prompts)
+    reference = LLM(model=str(model_dir), **ENGINE, **spec)
+    assert _tokens(reference, prompts) == plain
+    llm = tp_llm(model_dir, **ENGINE, **spec)
+    assert len(llm.engine.kv_cache.layers) == llm.engine.shape.num_layers + 1
+    assert _tokens(llm, prompts) == plain
+    got, want = llm.spec_decoding_stats, reference.spec_decoding_stats
+    assert want.spec_draft_hit_num > 0
+    assert (got.spec_draft_token_num, got.spec_draft_hit_num) == (want.spec_draft_token_num, want.spec_draft_hit_num)
