@@ -89,11 +89,13 @@ def test_generate_stream_is_the_prefill_chunk_then_the_decode_stream(router, nod
     with nodes["decode"].client.stream("POST", "/generate", json=body) as response:
         own = _nul_chunks(response.read())
     # The prefill node's first chunk (its first token), unless the decode node's came first, then the decode
-    # node's cumulative chunks (how many tokens each carries depends on the server's pace, not on the router).
+    # node's cumulative chunks. How many tokens each carries depends on the servers' pace, not on the router (on a
+    # busy machine the decode node's first chunk may already hold several), so what is checked is that the counts
+    # never shrink and that every chunk is a prefix of the final output.
     assert routed[-1] == own[-1]
     final = own[-1]["output_token_ids"][0]
     counts = [len(chunk["output_token_ids"][0]) for chunk in routed]
-    assert counts == sorted(counts) and counts[-1] == 10 and counts[0] <= 2
+    assert counts == sorted(counts) and counts[-1] == 10
     for chunk in routed:
         assert chunk["output_token_ids"][0] == final[:len(chunk["output_token_ids"][0])]
         assert own[-1]["texts"][0].startswith(chunk["texts"][0])
