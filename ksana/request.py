@@ -57,7 +57,7 @@ class InferRequest:
     # ``sampling_params.prompt_logprobs``: gathered over the prompt's chunks, sent once with the first token.
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
-    # MTP speculative decoding: the tokens the model's MTP modules proposed after the last step, verified next.
+    # Drafts the worker proposed after the last step (the MTP modules', or the simulator's), verified next.
     draft_token_ids: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
