@@ -32,6 +32,15 @@ class CausalLM(torch.nn.Module):
     """
 
     shape: ModelShape
+    layer_forward_round: int = 1
+
+    def set_layer_forward_round(self, num_rounds: int) -> None:
+        """Run each decoder layer ``num_rounds`` times per forward (KsanaLLM's ``layer_forward_round``, perf mode):
+        the cost of a model that deep, with the same outputs, since every repeat recomputes the layer on the same
+        input. A model's ``forward`` reads ``self.layer_forward_round``."""
+        if num_rounds < 1:
+            raise ValueError(f"layer_forward_round must be at least 1, got {num_rounds}")
+        self.layer_forward_round = num_rounds
 
     def forward(
         self,

@@ -36,7 +36,14 @@ from ksana.kernels.dispatch import (
     get_ops,
 )
 from ksana.models.base import CausalLM, WeightSlot
-from ksana.models.parallel import Shard, TPGroup, rank_shape, vocab_range
+from ksana.models.parallel import (
+    Shard,
+    TPGroup,
+    gathered_logits,
+    rank_shape,
+    vocab_parallel_embedding,
+    vocab_range,
+)
 from ksana.models.shape import ModelShape
 
 
@@ -405,13 +412,6 @@ class DecoderForCausalLM(CausalLM):
             for layer in self.layers:
                 layer.self_attn.all_reduce = layer.mlp.all_reduce = all_reduce
 
-    def set_layer_forward_round(self, num_rounds: int) -> None:
-        """Run each decoder layer ``num_rounds`` times per forward (KsanaLLM's ``layer_forward_round``): the cost
-        of a model that deep, with the same outputs, since every repeat recomputes the layer on the same input."""
-        if num_rounds < 1:
-            raise ValueError(f"layer_forward_round must be at least 1, got {num_rounds}")
-        self.layer_forward_round = num_rounds
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -461,13 +461,8 @@ class DecoderForCausalLM(CausalLM):
         return decode_layers(self._decode_layers_of[1], hidden, cos, sin, meta)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.all_reduce is None:
-            return self.ops.embedding(input_ids, self.embed_weight)
-        # Vocabulary-parallel: each rank looks up the ids in its range, zeros the rest; the sum is the lookup.
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.num_vocab_rows)
-        hidden = self.ops.embedding(local.masked_fill(outside, 0), self.embed_weight)
-        return self.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0).contiguous())
+        return vocab_parallel_embedding(self.ops.embedding, input_ids, self.embed_weight, self.vocab_start,
+                                        self.num_vocab_rows, self.all_reduce)
 
     def compute_greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]] | None:
         """The fused lm_head and greedy pick (the native CPU kernels); not when the vocabulary is split across
@@ -477,7 +472,4 @@ class DecoderForCausalLM(CausalLM):
         return self.ops.lm_head_greedy(hidden, self.lm_head_weight, self.shape.vocab_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ops.lm_head(hidden, self.lm_head_weight).float()
-        if self.all_gather is None:
-            return logits
-        return self.all_gather(logits)[:, : self.shape.vocab_size]
+        return gathered_logits(self.ops.lm_head, hidden, self.lm_head_weight, self.shape.vocab_size, self.all_gather)

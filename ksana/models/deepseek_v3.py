@@ -58,7 +58,15 @@ from ksana.models.base import CausalLM, WeightSlot
 from ksana.models.decoder import OpProfiler, rope_from_hf_config
 from ksana.models.mla_attention import MLAttention
 from ksana.models.moe import DeepseekMoE, GatedMLP, empty_param
-from ksana.models.parallel import Shard, TPGroup, rank_and_size, rank_shape, vocab_range
+from ksana.models.parallel import (
+    Shard,
+    TPGroup,
+    gathered_logits,
+    rank_and_size,
+    rank_shape,
+    vocab_parallel_embedding,
+    vocab_range,
+)
 from ksana.models.shape import ModelShape
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]
@@ -288,12 +296,6 @@ class DeepseekV3ForCausalLM(CausalLM):
                 attn.prefill_attention = profiler.wrap("attention_prefill", attn.prefill_attention)
         self.profiler = profiler
 
-    def set_layer_forward_round(self, num_rounds: int) -> None:
-        """Run each decoder layer ``num_rounds`` times per forward (as ``DecoderForCausalLM`` does)."""
-        if num_rounds < 1:
-            raise ValueError(f"layer_forward_round must be at least 1, got {num_rounds}")
-        self.layer_forward_round = num_rounds
-
     # ---- forward --------------------------------------------------------------------------------------------
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, self.shape.dtype)
@@ -323,19 +325,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         return hidden
 
     def _embed(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        if self.all_reduce is None:
-            return self.ops.embedding(input_ids, table)
-        # Vocabulary-parallel: each rank looks up the ids in its range, zeros the rest; the sum is the lookup.
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.num_vocab_rows)
-        hidden = self.ops.embedding(local.masked_fill(outside, 0), table)
-        return self.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0).contiguous())
+        return vocab_parallel_embedding(self.ops.embedding, input_ids, table, self.vocab_start, self.num_vocab_rows,
+                                        self.all_reduce)
 
     def _logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        logits = self.ops.lm_head(hidden, head).float()
-        if self.all_gather is None:
-            return logits
-        return self.all_gather(logits)[:, : self.shape.vocab_size]
+        return gathered_logits(self.ops.lm_head, hidden, head, self.shape.vocab_size, self.all_gather)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._logits(hidden, self.lm_head_weight)

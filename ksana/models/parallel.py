@@ -100,6 +100,28 @@ def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, 
     return start, min(per_rank, vocab_size - start), per_rank
 
 
+def vocab_parallel_embedding(embedding: Any, input_ids: torch.Tensor, table: torch.Tensor, vocab_start: int,
+                             num_rows: int, all_reduce: Any) -> torch.Tensor:
+    """``embedding(ids, table)`` of a vocabulary split across ranks: each rank looks up the ids in its range and
+    zeros the rest; the sum over ranks (``all_reduce``) is the lookup. Without ``all_reduce``, the plain lookup."""
+    if all_reduce is None:
+        return embedding(input_ids, table)
+    local = input_ids - vocab_start
+    outside = (local < 0) | (local >= num_rows)
+    hidden = embedding(local.masked_fill(outside, 0), table)
+    return all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0).contiguous())
+
+
+def gathered_logits(lm_head: Any, hidden: torch.Tensor, head: torch.Tensor, vocab_size: int,
+                    all_gather: Any) -> torch.Tensor:
+    """float32 ``[N, vocab_size]`` logits of a head split by vocabulary rows: each rank's slice, gathered, cut to
+    the vocabulary (the last rank's padding rows dropped). Without ``all_gather``, the plain head."""
+    logits = lm_head(hidden, head).float()
+    if all_gather is None:
+        return logits
+    return all_gather(logits)[:, :vocab_size]
+
+
 class TPGroup:
     """One rank's view of the tensor-parallel process group (gloo on CPU, NCCL on CUDA).
 

@@ -57,22 +57,6 @@ def checkpoints(tmp_path_factory):
     return {family: make_checkpoint(root, family) for family in DEEPSEEK_FAMILIES}
 
 
-@pytest.fixture
-def tp_llm():
-    """Builds TP engines and always stops their ranks, even when the test fails."""
-    made: list[LLM] = []
-
-    def build(model_dir, **overrides) -> LLM:
-        llm = LLM(model=str(model_dir), tensor_para_size=2, **overrides)
-        made.append(llm)
-        return llm
-
-    yield build
-    for llm in made:
-        llm.engine.close()
-        assert all(proc.poll() is not None for proc in llm.engine.tp_runner.procs)
-
-
 @pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
 def test_tp2_greedy_equals_transformers_and_tp1(checkpoints, tp_llm, family):
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)

@@ -32,22 +32,6 @@ def checkpoints(tmp_path_factory):
     return {family: make_checkpoint(root, family) for family in ("llama", "qwen2")}
 
 
-@pytest.fixture
-def tp_llm():
-    """Builds TP engines and always stops their ranks, even when the test fails."""
-    made: list[LLM] = []
-
-    def build(model_dir, **overrides) -> LLM:
-        llm = LLM(model=str(model_dir), tensor_para_size=2, **{"device": "cpu", **overrides})
-        made.append(llm)
-        return llm
-
-    yield build
-    for llm in made:
-        llm.engine.close()
-        assert all(proc.poll() is not None for proc in llm.engine.tp_runner.procs)
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_tp2_greedy_equals_tp1_with_chunked_prefill_and_preemption(checkpoints, tp_llm, family):
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
