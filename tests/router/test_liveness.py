@@ -51,9 +51,13 @@ def test_a_silent_node_goes_offline_and_its_pairs_inactive(upstreams, tmp_path):
             router.heartbeat(prefill)
             return router.nodes()
 
-        nodes = wait_until(keep_prefill_alive_and_read,
-                           lambda n: not next(x for x in n["nodes"] if x["node_id"] == decode)["is_online"],
-                           what="decode node offline")
+        # /nodes reads a node's liveness at the call and its group's readiness as of the last heartbeat's refresh:
+        # the prefill node's next heartbeat after the decode node's timeout makes the two agree
+        def decode_group_down(n):
+            node = next(x for x in n["nodes"] if x["node_id"] == decode)
+            return not node["is_online"] and not node["group_ready"]
+
+        nodes = wait_until(keep_prefill_alive_and_read, decode_group_down, what="decode node offline, group not ready")
         by_id = {node["node_id"]: node for node in nodes["nodes"]}
         assert by_id[decode]["group_ready"] is False and by_id[prefill]["is_online"] is True
         assert next(p for p in nodes["pairs"] if p["comm_key"] == key)["is_active"] is False
