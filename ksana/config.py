@@ -40,7 +40,7 @@ class BatchSchedulerSetting:
     split_fuse_token_num: int = 0  # 0: no chunked prefill
     enable_auto_prefix_cache: bool = False
     # Plan step N+1 while step N runs (vLLM's async scheduling): the worker starts the next step without waiting
-    # for the scheduler, whose work runs beside the forward pass.
+    # for the scheduler, whose work runs beside the forward pass. Only while requests wait (see SchedulerActor).
     async_scheduling: bool = True
     preempt_mode: int = 1  # 1 = RECOMPUTE (the only mode on this engine; 0 = SWAP is rejected)
     waiting_timeout_in_ms: int = 600_000

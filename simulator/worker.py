@@ -3,8 +3,9 @@ latency on the virtual clock, and samples tokens that never end a request early.
 
 Steps run one after another, as on the real worker's lane. A step starts when the worker is free and the engine
 has finished its own work around the plan (the fitted engine time, counted from the plan's arrival): without
-async scheduling the plan arrives after the previous step's update, so a step costs engine + worker time; with it
-the next plan arrives while a step runs, and the engine's time hides behind the forward unless it is longer.
+async scheduling (or with it and no request waiting) the plan arrives after the previous step's update, so a step
+costs engine + worker time; with it and a queue the next plan arrives while a step runs, and the engine's time
+hides behind the forward unless it is longer.
 
 Speculative decoding (``SpecAcceptance``): the worker drafts for every request it samples (as an MTP module
 would), and accepts a verify row's draft at position ``j`` with the given probability, in order, until one is

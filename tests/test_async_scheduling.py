@@ -1,5 +1,5 @@
-"""Async scheduling on a real engine (the demo model): the worker is handed step N+1 while step N runs, and the
-outputs are the ones one step in flight gives, penalties, seeds, stops and logprobs included."""
+"""Async scheduling on a real engine (the demo model): while requests wait, the worker is handed step N+1 while step
+N runs, and the outputs are the ones one step in flight gives, penalties, seeds, stops and logprobs included."""
 
 from __future__ import annotations
 
@@ -65,14 +65,18 @@ def test_outputs_equal_those_of_one_step_in_flight(engines):
         assert llm.engine.cache_manager.num_free_blocks == llm.engine.num_blocks
 
 
-def test_the_worker_is_handed_the_next_step_while_one_runs(engines):
-    """Each step blocks on the lane until the next step's plan is queued behind it: with one step in flight that
-    would never happen, so the test would fail on the wait, not hang."""
-    llm = engines[0]
+def test_the_worker_is_handed_the_next_step_while_one_runs_and_a_request_waits():
+    """One request at a time, two requests. While the second waits, each of the first's steps blocks on the lane
+    until the next step's plan is queued behind it (with one step in flight that would never happen, so the test
+    would fail on the wait, not hang). Once nothing waits, the next step is planned only after a step ends."""
+    llm = LLM(model="demo", block_token_num=8, max_batch_size=1)
     lane, runner = llm.engine.forward_lane, llm.engine.runner
     submitted: dict[int, threading.Event] = {}
     queued_before_end: list[bool] = []
     submit, execute = lane.submit, runner.execute
+    num_tokens = 6
+    first_last_step = num_tokens - 1  # steps count from 0: a prefill, then a decode per token but the first
+    last_step = 2 * num_tokens - 1
 
     def recording_submit(fn, plan):
         submitted.setdefault(plan.step_id, threading.Event()).set()
@@ -81,17 +85,18 @@ def test_the_worker_is_handed_the_next_step_while_one_runs(engines):
     def waiting_execute(plan):
         result = execute(plan)
         if plan.step_id < last_step:
-            queued_before_end.append(submitted.setdefault(plan.step_id + 1, threading.Event()).wait(timeout=60))
+            following = submitted.setdefault(plan.step_id + 1, threading.Event())
+            queued_before_end.append(following.wait(timeout=60) if plan.step_id < first_last_step
+                                     else following.is_set())
         return result
 
-    num_tokens = 6
     lane.submit, runner.execute = recording_submit, waiting_execute
     try:
-        last_step = num_tokens - 1  # each run's steps count from 0: a prefill, then a decode per token but the first
-        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True),
-                           use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        out = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     finally:
         del lane.submit, runner.execute
-    assert len(out[0].outputs[0].token_ids) == num_tokens
+    assert [len(o.outputs[0].token_ids) for o in out] == [num_tokens] * 2
     assert sorted(submitted) == list(range(last_step + 1)), "no step past the known last token"
-    assert queued_before_end == [True] * (num_tokens - 1)
+    # the first request's steps but its last (the second cannot join a full batch before it ends), then none
+    assert queued_before_end == [True] * (num_tokens - 1) + [False] * num_tokens

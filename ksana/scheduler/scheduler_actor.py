@@ -5,9 +5,13 @@ manager in one exchange (skipped when nothing there would change: no new block, 
 cache), the plan goes to the worker, and the worker's ``StepResult`` triggers the update, the next plan, and then
 the outputs to the I/O actor.
 
-With ``async_scheduling`` (the default) two steps are in flight: step N+1 is planned as soon as step N is sent, with
-N's sampled tokens as placeholders the worker fills in, so the worker goes from one forward pass straight into the
-next and the scheduler, the messages and the I/O run beside it. Every plan is ordered after the steps before it on
+With ``async_scheduling`` (the default) two steps can be in flight: step N+1 is planned as soon as step N is sent,
+with N's sampled tokens as placeholders the worker fills in, so the worker goes from one forward pass straight into
+the next and the scheduler, the messages and the I/O run beside it. It plans ahead only while requests wait,
+though: a request that arrives during step N joins the first plan made after it, so with N+1 already planned it
+would wait a whole step more for its first token. With nothing waiting, step N+1 is planned when N's result comes
+in, and takes whatever arrived meanwhile; with a queue, an arrival waits behind it anyway and planning ahead keeps
+the worker busy. Every plan is ordered after the steps before it on
 the worker's one thread, which is what makes this safe: blocks freed or reused by a later plan are written by
 the earlier step first. The pipeline falls back to one step in flight where a plan would need a preemption (only a
 step's end frees blocks) and while a step loads remote KV (its result decides the next plan).
@@ -132,6 +136,8 @@ class SchedulerActor(Actor):
         in_flight = self._in_flight
         if len(in_flight) >= self.max_steps_in_flight or not self.scheduler.has_unfinished:
             return False
+        if in_flight and not self.scheduler.waiting:
+            return False  # plan once this step ends, with whatever arrives while it runs
         return not any(out.remote_loads for out in in_flight)  # the load's result decides the request's next plan
 
     async def _maybe_start_step(self) -> None:

@@ -59,8 +59,9 @@ class OrderCheckingIO(Actor):
             self.all_done.set()
 
 
-def _run_three_requests(async_scheduling: bool):
-    scheduler = BatchScheduler(BatchSchedulerSetting(async_scheduling=async_scheduling), BLOCK, NUM_BLOCKS, 4096)
+def _run_three_requests(async_scheduling: bool, max_batch_size: int = 64):
+    setting = BatchSchedulerSetting(async_scheduling=async_scheduling, max_batch_size=max_batch_size)
+    scheduler = BatchScheduler(setting, BLOCK, NUM_BLOCKS, 4096)
     manager = RecordingCacheManager()
     worker = OracleWorker(NUM_BLOCKS, BLOCK)
     io = OrderCheckingIO(worker, 3)
@@ -96,19 +97,59 @@ def test_next_step_before_tokens_and_finished_blocks_released_by_the_next_exchan
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests_with_blocks == 0
 
 
-def test_async_scheduling_keeps_two_steps_in_flight_and_plans_no_step_past_a_known_end():
+def test_async_scheduling_with_nothing_waiting_plans_each_step_at_the_last_ones_result():
     io, manager, worker, stats = _run_three_requests(async_scheduling=True)
-    # Step k + 1 is planned when step k is sent, so step k's tokens leave after step k + 2 was: the worker had
-    # k + 2 steps, except at the end, where the last step (5) was planned with step 4's result.
-    assert io.steps_sent_before_tokens == [(1, 3), (2, 4), (3, 5), (4, 5)]
-    # The oracle filled every step's continuing rows from its previous step: 2 + 3 + 2 + 1 rows after step 1.
-    assert worker.num_placeholder_rows == 3 + 2 + 2 + 1
-    # The same five steps as one step in flight: a request whose pending token reaches max_tokens is not planned
-    # again (r2 ends at step 2, r4 at 4, r5 at 5). Prompts of 3, 5 and 5 tokens in blocks of 4: step 1 allocates
-    # the prompts' blocks; steps 2 and 3 fit in them; step 4, planned at step 2's result, carries r2's release;
-    # step 5 (r5 at position 8) needs a block. At step 4's result nothing is left to plan (r5's last step is in
-    # flight), so r4 is freed alone, and r5 at the end.
-    assert manager.log == [("allocate", ()), ("allocate", ("r2",)), ("allocate", ()), ("free", ("r4",)),
-                           ("free", ("r5",))]
+    # Every request runs from step 1 and none waits: each step is planned when the one before it ends (so that an
+    # arrival would join it), the same steps, messages and block exchanges as with one step in flight.
+    assert io.steps_sent_before_tokens == [(k, k + 1) for k in range(1, 5)]
+    assert worker.num_placeholder_rows == 0
+    assert manager.log == [("allocate", ()), ("allocate", ("r2",)), ("allocate", ("r4",)), ("free", ("r5",))]
     assert worker.num_steps == 5
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests_with_blocks == 0
+
+
+def test_async_scheduling_plans_ahead_while_requests_wait():
+    io, manager, worker, stats = _run_three_requests(async_scheduling=True, max_batch_size=1)
+    # One request at a time (2 + 4 + 5 steps). While r2 and then r4 run, others wait: step 2 is planned as soon
+    # as step 1 is sent, and from r4's first step on, step k's tokens leave with step k + 2 sent, its continuing
+    # row a placeholder. r5 runs last with nothing behind it: one step at a time again.
+    assert worker.num_steps == 11
+    assert io.steps_sent_before_tokens[1:4] == [(2, 4), (3, 5), (4, 6)]
+    assert io.steps_sent_before_tokens[-4:] == [(k, k + 1) for k in range(7, 11)]
+    assert worker.num_placeholder_rows > 0
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_requests_with_blocks == 0
+
+
+class StepLogWorker(OracleWorker):
+    """The oracle worker that records which requests each step carries."""
+
+    def __init__(self) -> None:
+        super().__init__(NUM_BLOCKS, BLOCK, step_latency=lambda plan: 0.01)
+        self.steps: list[tuple[str, ...]] = []
+
+    async def on_execute(self, msg) -> None:
+        self.steps.append(tuple(row.request_id for row in msg.plan.rows))
+        await super().on_execute(msg)
+
+
+def test_an_arrival_while_a_step_runs_joins_the_next_step():
+    """r1 runs alone; r2 arrives halfway through its second step (virtual time) and is in the third."""
+    scheduler = BatchScheduler(BatchSchedulerSetting(async_scheduling=True), BLOCK, NUM_BLOCKS, 4096)
+    worker = StepLogWorker()
+    io = OrderCheckingIO(worker, 2)
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    r1, r2 = (InferRequest(request_id=rid, prompt_token_ids=[5, 6, 7], sampling_params=params, seed=0,
+                           eos_token_ids=(EOS,)) for rid in ("r1", "r2"))
+
+    async def main() -> None:
+        loop = EventLoop(clock=VirtualClock())
+        for actor in (SchedulerActor(scheduler), RecordingCacheManager(), worker, io):
+            loop.register(actor)
+        async with loop.running():
+            await loop.send(AddRequests((r1,)), sender="test")
+            await trio.sleep(0.015)  # steps take 0.01 s: step 2 runs from 0.01 to 0.02
+            await loop.send(AddRequests((r2,)), sender="test")
+            await io.all_done.wait()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert worker.steps[:3] == [("r1",), ("r1",), ("r1", "r2")]

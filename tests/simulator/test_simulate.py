@@ -40,14 +40,24 @@ def _ms(times):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_lone_request_follows_the_fit(tmp_path, identity, async_scheduling):
-    """Prefill of 100 tokens: 10 + 0.1 * 100 = 20 ms; each decode 10 ms; 5 ms of engine time per step. Without
-    async scheduling every step waits for the engine; with it the engine's time hides behind the forward."""
+    """Prefill of 100 tokens: 10 + 0.1 * 100 = 20 ms; each decode 10 ms; 5 ms of engine time per step. With no
+    request waiting every step waits for the engine, async scheduling or not (the next plan takes any arrival)."""
     setup = _setup(tmp_path, identity, {"async_scheduling": async_scheduling}, engine_ms=5.0)
     result = run_simulation(setup, [TraceRequest(0.0, 100, 3)], progress=False)
     (timeline,) = result.timelines
-    expected = [25.0, 40.0, 55.0] if not async_scheduling else [25.0, 35.0, 45.0]
-    assert _ms(timeline.token_times_s) == expected
+    assert _ms(timeline.token_times_s) == [25.0, 40.0, 55.0]
     assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.02, 0.01, 0.01]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_scheduling_hides_the_engine_time_while_a_request_waits(tmp_path, identity, async_scheduling):
+    """One request at a time, the second waiting: with async scheduling the first one's decodes start as the step
+    before ends (its plan was made while that step ran), so its tokens come 10 ms apart, not 15."""
+    setup = _setup(tmp_path, identity, {"async_scheduling": async_scheduling, "max_batch_size": 1}, engine_ms=5.0)
+    result = run_simulation(setup, [TraceRequest(0.0, 100, 3), TraceRequest(0.0, 100, 3)], progress=False)
+    first = result.timelines[0]
+    assert _ms(first.token_times_s) == ([25.0, 35.0, 45.0] if async_scheduling else [25.0, 40.0, 55.0])
+    assert all(len(t.token_times_s) == 3 for t in result.timelines)
 
 
 def test_a_calibrated_fit_adds_its_serving_costs_to_every_step_and_request(tmp_path, identity):
@@ -55,11 +65,11 @@ def test_a_calibrated_fit_adds_its_serving_costs_to_every_step_and_request(tmp_p
     its latencies count."""
     setup = _setup(tmp_path, identity, serving_step_ms=5.0, serving_row_ms=2.0, serving_request_ms=30.0)
     result = run_simulation(setup, [TraceRequest(0.0, 100, 3), TraceRequest(0.0, 100, 3)], progress=False)
-    # the first prefill (10 + 10 + 5 + 2 ms), its decode (10 + 5 + 2), the second prefill beside a decode
-    # (10 + 10 + 5 + 2 x 2), two decodes
-    assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.027, 0.017, 0.029, 0.017, 0.017]
-    assert _ms(result.timelines[0].token_times_s) == [57.0, 74.0, 103.0]
-    assert _ms(result.timelines[1].token_times_s) == [103.0, 120.0, 137.0]
+    # the first prefill (10 + 10 + 5 + 2 ms); the second prefill, which came while it ran, beside its decode
+    # (10 + 10 + 5 + 2 x 2); both decodes (10 + 5 + 2 x 2); the second's last decode (10 + 5 + 2)
+    assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.027, 0.029, 0.019, 0.017]
+    assert _ms(result.timelines[0].token_times_s) == [57.0, 86.0, 105.0]
+    assert _ms(result.timelines[1].token_times_s) == [86.0, 105.0, 122.0]
 
 
 def test_calibration_scores_the_requests_median_log_error():
