@@ -32,6 +32,7 @@ PREFILL_TARGET = 1.0  # Ksana / transformers prefill tokens/s, at least
 OVERHEAD_TARGET = 5.0  # % of the decode step outside the forward, at most
 SERVING_TARGET = 0.9  # saturated serving / offline tokens/s, at least
 PREFIX_CACHE_COST_TARGET = 2.0  # % slower with the cache on at a 0% hit rate, less than
+KERNEL_BUILDS_TOLERANCE = 0.03  # a kernel rebuild's candidate within 3% of its baseline's time
 VS_VLLM_TARGET = 1.2  # Ksana / vLLM-CPU online output tokens/s, at least (TTFT p50/p99, TPOT p50 no worse)
 
 Row = tuple[str, str, str, str]  # figure, result, target, met
@@ -202,6 +203,23 @@ def vs_vllm_rows(report: dict[str, Any]) -> Iterator[Row]:
             yield figure, result, f">= {VS_VLLM_TARGET:g}x; TTFT p50/p99, TPOT p50 no worse", met
 
 
+KERNEL_BUILD_WORKLOADS = {"offline": "offline output tok/s (`throughput.py`'s workload)",
+                          "decode_b1": "steady decode step at batch 1", "decode_b16": "steady decode step at batch 16"}
+
+
+def kernel_builds_rows(report: dict[str, Any]) -> Iterator[Row]:
+    for name, row in report["workloads"].items():
+        figure = (f"CPU kernels, {report['candidate']['revision']} against {report['baseline']['revision']}, "
+                  f"`{report['model']}`, {report['dtype']}: {KERNEL_BUILD_WORKLOADS[name]}, candidate / baseline")
+        ratio = row["candidate_over_baseline"]
+        result = (f"**{ratio:.3f}** ({row['candidate_median']:.2f} / {row['baseline_median']:.2f} {row['unit']}, "
+                  f"median of {report['rounds']} alternating rounds)")
+        if row["unit"] == "tok/s":
+            yield figure, result, *_at_least(ratio, 1 - KERNEL_BUILDS_TOLERANCE, f"{1 - KERNEL_BUILDS_TOLERANCE:g}")
+        else:
+            yield figure, result, *_at_most(ratio, 1 + KERNEL_BUILDS_TOLERANCE, f"{1 + KERNEL_BUILDS_TOLERANCE:g}")
+
+
 def speculative_rows(report: dict[str, Any]) -> Iterator[Row]:
     for workload, by_batch in report["runs"].items():
         for batch, pair in by_batch.items():
@@ -222,6 +240,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[dict[str, Any]], Iterator[Row]]]] = {
     "prefix_cache": ("prefix_cache.py", prefix_cache_rows),
     "tp": ("tp.py", tp_rows),
     "kernels": ("kernel_ops.py", kernels_rows),
+    "kernel_builds": ("kernel_builds.py", kernel_builds_rows),
     "simulator_validation": ("simulator_validation.py", simulator_rows),
     "simulator_noise": ("simulator_validation.py --noise", simulator_noise_rows),
     "simulator_speed": ("simulator_speed.py", simulator_speed_rows),

@@ -26,7 +26,6 @@ far each phase is from its own ceiling and how much of the remaining gap is the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import platform
 import statistics
@@ -97,26 +96,22 @@ class ClockedSteps:
     seq_lens: list[list[int]] = attrs.Factory(list)
 
 
-def clocked_ops(directory: Path) -> tuple[NativeCPUOps, ctypes.CDLL]:
-    """The working tree's kernels built with ``-DKSANA_PHASE_CLOCK`` into ``directory`` (made here), with the
-    clock's two functions bound."""
+def clocked_ops(directory: Path) -> tuple[NativeCPUOps, Any]:
+    """The working tree's kernels built with ``-DKSANA_PHASE_CLOCK`` into ``directory`` (made here): the ops and
+    the build's operators, whose ``decode_phase_clock`` reads the clock."""
     library = build_library(SOURCE, directory / "clocked", defines=("KSANA_PHASE_CLOCK",))
-    library.decode_phase_clock.argtypes = (ctypes.c_void_p, ctypes.c_int)
-    library.decode_phase_clock.restype = None
-    library.decode_phase_count.restype = ctypes.c_int
     if library.decode_phase_count() != len(PHASES):  # the C enum changed without PHASES
         raise RuntimeError(f"the clocked build has {library.decode_phase_count()} phases, PHASES names {len(PHASES)}")
     return NativeCPUOps(library), library
 
 
-def read_clock(library: ctypes.CDLL, threads: int) -> list[list[list[float]]]:
-    raw = (ctypes.c_double * (threads * 2 * len(PHASES)))()
-    library.decode_phase_clock(raw, threads)
-    n = len(PHASES)
-    return [[list(raw[(t * 2 + kind) * n:(t * 2 + kind + 1) * n]) for kind in (0, 1)] for t in range(threads)]
+def read_clock(library: Any, threads: int) -> list[list[list[float]]]:
+    raw = torch.empty((threads, 2, len(PHASES)), dtype=torch.float64)
+    library.decode_phase_clock(raw)
+    return raw.tolist()
 
 
-def install(llm: LLM, ops: NativeCPUOps, library: ctypes.CDLL, state: dict[str, Any]) -> None:
+def install(llm: LLM, ops: NativeCPUOps, library: Any, state: dict[str, Any]) -> None:
     """The engine's fused step replaced by the clocked build's, and the lm_head after it timed: the fused steps of
     ``state["run"]``'s batch size go into it."""
     model = llm.engine.model

@@ -16,7 +16,7 @@ and times over every layer, in rounds that rotate the order:
 - the attention on all threads and on one (``paged_decode`` over each layer's cache);
 - the projections on all threads, on one, and on one with the batch in two halves (a pipeline over half batches
   streams the weights twice);
-- both at once on two threads of this process (ctypes releases the GIL): the attention on one thread, the
+- both at once on two threads of this process (the operators release the GIL): the attention on one thread, the
   projections on the other, over the whole batch and in halves.
 
 Sequential is what the step does now (attention, then projections, on all threads); overlapped / sequential is
@@ -49,7 +49,6 @@ from kv_layout_ab import Settings, capture_step  # noqa: E402
 
 from ksana import LLM  # noqa: E402
 from ksana.bench.results import write_json  # noqa: E402
-from ksana.kernels.cpu.ops import _cache_layout  # noqa: E402
 
 CASES = ("fused_step", "attention_all", "attention_one", "projections_all", "projections_one",
          "projections_one_halves", "overlapped", "overlapped_halves")
@@ -60,8 +59,9 @@ QUICK = Settings(model="demo", batch=3, context=24, rounds=2)
 class StepPhases:
     """A captured decode step's attention and projections over every layer, on a chosen number of threads.
 
-    The kernels are called through their ctypes functions with the addresses prepared once, so that a pass is the
-    kernels' time and not Python's (about 150 calls a pass for smollm2, and two threads share the GIL between them).
+    The kernels are called as the build's operators directly, with the tensors prepared once, so that a pass is
+    mostly the kernels' time (about 150 calls a pass for smollm2; the operators release the GIL while they run).
+    Each pass sets its thread's OpenMP thread count first: the operators run on the calling thread's.
     """
 
     def __init__(self, llm: LLM, settings: Settings) -> None:
@@ -69,18 +69,14 @@ class StepPhases:
         self._native = native = llm.engine.model.ops.decode_layers.__self__
         self._step = (layers, hidden, cos, sin, meta)
         dtype = hidden.dtype
-        self._attention_fn = native._fns["paged_decode", dtype]  # the bench drives the raw kernels on purpose
-        self._linear_fn = native._fns["packed_linear", dtype]
+        self._kernels = native.library  # the bench drives the operators without the wrappers' checks on purpose
         self.batch = batch = hidden.shape[0]
         generator = torch.Generator().manual_seed(0)
         self.query = torch.randn(batch, layers.num_heads, layers.head_dim, generator=generator).to(dtype)
-        self.attention_out = torch.empty_like(self.query)
         self.block_tables, self.seq_lens = meta.block_tables, meta.seq_lens
-        self.block_size = meta.block_size
         self.layers = layers.layers
         self.num_heads, self.num_kv_heads, self.head_dim = layers.num_heads, layers.num_kv_heads, layers.head_dim
         self.scale = layers.scale
-        self.layout = _cache_layout(self.layers[0].k_cache, self.layers[0].v_cache)  # head-major in the engine
         self.weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         widths = {w.in_features for w in self.weights}
         self.inputs = {k: torch.randn(batch, k, generator=generator).to(dtype) for k in widths}
@@ -100,24 +96,23 @@ class StepPhases:
         self._native.decode_layers(layers, hidden.clone(), cos, sin, meta)
 
     def attention(self, threads: int) -> None:
-        q = self.query
+        torch.set_num_threads(threads)
+        q, decode = self.query, self._kernels.paged_decode
         for layer in self.layers:
-            self._attention_fn(q.data_ptr(), q.stride(0), layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
-                               self.block_tables.data_ptr(), self.block_tables.stride(0), self.seq_lens.data_ptr(),
-                               self.attention_out.data_ptr(), self.batch, self.num_heads, self.num_kv_heads,
-                               self.head_dim, self.block_size, *self.layout, self.scale,
-                               layer.sliding_window or 0, threads)
+            decode(q, layer.k_cache, layer.v_cache, self.block_tables, self.seq_lens, self.scale,
+                   layer.sliding_window or 0)
 
     def projections(self, threads: int, parts: int = 1) -> None:
         """The four projections of every layer over the batch in ``parts`` row ranges (biases left out: a few
         thousand adds next to millions of multiply-adds)."""
+        torch.set_num_threads(threads)
         bounds = [self.batch * i // parts for i in range(parts + 1)]
+        linear = self._kernels.packed_linear
         for weight, out in zip(self.weights, self.outputs, strict=True):
             x = self.inputs[weight.in_features]
             for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):
                 if r1 > r0:
-                    self._linear_fn(x[r0].data_ptr(), x.stride(0), weight.packed.data_ptr(), None, out[r0].data_ptr(),
-                                    r1 - r0, weight.out_features, weight.in_features, threads)
+                    out[r0:r1].copy_(linear(x[r0:r1], weight.packed, None, weight.out_features))
 
     def overlapped(self, parts: int = 1) -> None:
         """The attention on one thread and the projections on another, at the same time."""

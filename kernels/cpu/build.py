@@ -1,14 +1,16 @@
-"""Compile ``ksana_cpu.c`` once per source and CPU and load it with ctypes.
+"""Build the CPU kernels into one library of typed torch operators, once per source and CPU, and load it.
 
-The shared library is cached under ``$KSANA_CACHE_DIR/cpu-kernels-<key>`` (built in a temporary directory and
-renamed into place, so racing processes such as tensor-parallel ranks build it once); the key covers the source,
-the flags and the compiler, so an edit or another machine's CPU gets its own build. When no C compiler works,
-``load_library`` returns None and the CPU falls back to the torch reference ops.
+The kernels (``ksana_cpu.c``, C with OpenMP, and the C++ families over ``vec.h``) compile per instruction-set level; ``registration.cpp`` declares them
+as torch operators (``torch.ops.ksana.*``: schemas, checks at the call, profiler names) and compiles once for every
+level, against torch's headers from ``torch.utils.cpp_extension``. Both link into one shared library, which
+``torch.ops.load_library`` loads. Builds are cached under ``$KSANA_CACHE_DIR`` (built in a temporary directory and
+renamed into place, so racing processes such as tensor-parallel ranks build once), keyed by the sources, the flags,
+the compilers and torch's version, so an edit or another machine's CPU gets its own build. Without a C and a C++
+compiler, or when the build fails, ``load_library`` returns None and the CPU runs the torch reference ops.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -21,35 +23,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("ksana_cpu.c")
+HERE = Path(__file__).parent
+SOURCE = HERE / "ksana_cpu.c"  # the C kernels (the A/B tools build other revisions of it)
+CXX_SOURCES = (HERE / "norms.cpp",)  # the kernels ported to C++ over vec.h's lanes
+HEADERS = (HERE / "vec.h", HERE / "parallel.h")
+REGISTRATION = HERE / "registration.cpp"
 LIBRARY_NAME = "libksana_cpu.so"
+NAMESPACE = "ksana"  # torch.ops.ksana; the A/B tools load other builds under other names
 # "torch" forces the reference ops (to compare paths, or if the native build misbehaves); a level from LEVELS builds
 # for at most that instruction set (so the other CPUs' paths can be tested here): "portable" is the plain C
 # fallback, "avx2" adds AVX2/FMA (with the packed linear and fused decode), "avx512" their AVX-512 versions and
 # the 16-lane decode attention and fused greedy sampling.
 CPU_KERNELS_ENV = "KSANA_CPU_KERNELS"
-
-_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-# Argument types of each kernel that has a _f32 and a _bf16 variant (the same for both); they return nothing, but
-# for the ones in INT_RESULTS. Every build exports every name: where its instruction set lacks a kernel, a stub that
-# Python never calls (``linear_available`` and ``prefill_attention_available`` say which).
-SIGNATURES: dict[str, tuple] = {
-    "rms_norm": (_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int),
-    "rotary_neox": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
-    "silu_and_mul": (_ptr, _i64, _ptr, _i64, _i64, _int),
-    "store_kv": (_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64),
-    "paged_decode": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
-                     _i64, _int),
-    "pack_weight": (_ptr, _i64, _i64, _ptr, _int),
-    "unpack_weight": (_ptr, _i64, _i64, _ptr, _int),
-    "packed_rows": (_ptr, _i64, _i64, _ptr, _i64, _ptr),
-    "packed_linear": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int),
-    "decode_layers": (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
-                      _ptr, _i64, _i64, _i64, _f32, _f32, _int, _ptr),
-    "packed_linear_greedy": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int),
-}
-INT_RESULTS = frozenset({"packed_rows"})
-DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
 LEVELS = ("portable", "avx2", "avx512")
@@ -77,7 +63,7 @@ def compiler_flags() -> list[str]:
 
     bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``, which ran slower from
     16 rows on Intel's AVX-512 Xeons."""
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
+    flags = ["-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", f"-I{HERE}"]
     level = LEVELS.index(build_level())
     if level >= LEVELS.index("avx2"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
@@ -92,62 +78,131 @@ def find_compiler() -> str | None:
     return compiler if compiler and shutil.which(compiler) else None
 
 
-def _build_key(compiler: str, flags: list[str]) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([compiler, version, *flags]).encode())
+def find_cxx_compiler() -> str | None:
+    """``$CXX``, else ``c++`` or ``g++`` on the PATH; None when there is none."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    return compiler if compiler and shutil.which(compiler) else None
+
+
+def registration_flags() -> list[str]:
+    """What ``registration.cpp`` compiles with: torch's headers and C++ ABI."""
+    from torch.utils.cpp_extension import include_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return ["-O2", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{path}" for path in include_paths())]
+
+
+def _version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+
+
+def build_key(*parts: str | bytes) -> str:
+    """A cache key over ``parts`` and torch's version (the registration is compiled against its headers)."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for part in parts:
+        digest.update(b"\0" + (part if isinstance(part, bytes) else part.encode()))
     return digest.hexdigest()[:16]
 
 
-def compile_library(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> Path:
-    """``source`` compiled with ``flags`` into ``directory``; the shared library's path. RuntimeError with the
-    compiler's output when it fails."""
-    output = directory / LIBRARY_NAME
-    cmd = [compiler, *flags, "-o", str(output), str(source), "-lm"]
+def _run(cmd: list[str]) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+
+
+def compile_registration(cxx: str, directory: Path) -> Path:
+    """``registration.cpp`` compiled into ``directory``: the object file's path."""
+    output = directory / "registration.o"
+    _run([cxx, *registration_flags(), "-c", "-o", str(output), str(REGISTRATION)])
     return output
 
 
+def registration_object(cxx: str) -> Path:
+    """The registration's object file from the cache, compiled the first time (about half a minute: torch's
+    headers), then shared by every level's build and every namespace."""
+    from ..build_cache import build_cached
+
+    key = build_key(REGISTRATION.read_bytes(), cxx, _version(cxx), *registration_flags())
+    return build_cached(f"cpu-ops-registration-{key}", lambda tmp: compile_registration(cxx, tmp)) / (
+        "registration.o")
+
+
+def cxx_flags(flags: list[str]) -> list[str]:
+    """The C++ kernels' flags: the C build's (level, no FMA contraction), as C++."""
+    return [flag for flag in flags if flag != "-std=c11"] + ["-std=c++20"]
+
+
+def compile_library(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> Path:
+    """The C kernels ``source`` and the C++ ones compiled with ``flags``, linked with the registration into
+    ``directory``: the shared library's path. RuntimeError with the compiler's output when a step fails."""
+    from torch.utils.cpp_extension import library_paths
+
+    cxx = find_cxx_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or put c++ or g++ on the PATH)")
+    registration = registration_object(cxx)
+    objects = [directory / "ksana_cpu.o"]
+    _run([compiler, *flags, "-c", "-o", str(objects[0]), str(source)])
+    for cxx_source in CXX_SOURCES:
+        objects.append(directory / f"{cxx_source.stem}.o")
+        _run([cxx, *cxx_flags(flags), "-c", "-o", str(objects[-1]), str(cxx_source)])
+    output = directory / LIBRARY_NAME
+    torch_libs = [f"-L{path}" for path in library_paths()] + [f"-Wl,-rpath,{path}" for path in library_paths()]
+    _run([cxx, "-shared", "-fopenmp", "-o", str(output), str(registration), *map(str, objects), *torch_libs,
+          "-lc10", "-ltorch_cpu", "-lm"])
+    return output
+
+
+def sources_digest() -> bytes:
+    """The kernels' own sources, for the cache key (the C source, the C++ families, their headers)."""
+    return b"\0".join(path.read_bytes() for path in (SOURCE, *CXX_SOURCES, *HEADERS))
+
+
+def load_ops(path: Path, namespace: str = NAMESPACE):
+    """The operators of the library at ``path`` under ``torch.ops.<namespace>``, with their fake implementations.
+    A namespace registers once a process (a second library under the same name would abort it), so a namespace
+    already loaded gives its operators as they are."""
+    from .fakes import register_fakes
+
+    if namespace not in _loaded_namespaces:
+        previous = os.environ.get(NAMESPACE_ENV)
+        os.environ[NAMESPACE_ENV] = namespace  # registration.cpp reads it as the library loads
+        try:
+            torch.ops.load_library(str(path))
+        finally:
+            if previous is None:
+                del os.environ[NAMESPACE_ENV]
+            else:
+                os.environ[NAMESPACE_ENV] = previous
+        _loaded_namespaces[namespace] = path
+        register_fakes(namespace)
+    return getattr(torch.ops, namespace)
+
+
+NAMESPACE_ENV = "KSANA_OPS_NAMESPACE"
+_loaded_namespaces: dict[str, Path] = {}
+
+
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels with their argument types set, or None (no compiler, a failed build, or
+def load_library():
+    """``torch.ops.ksana``, the compiled kernels' operators, or None (no compiler, a failed build, or
     ``KSANA_CPU_KERNELS=torch``); the reason is logged once, as a warning where the native kernels were wanted."""
     if os.environ.get(CPU_KERNELS_ENV, "native") == "torch":
         return None
-    compiler = find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found (set CC, or put cc or gcc on the PATH): the CPU runs the slower torch "
-                       "reference ops")
+    compiler, cxx = find_compiler(), find_cxx_compiler()
+    if compiler is None or cxx is None:
+        logger.warning("no C or C++ compiler found (set CC and CXX, or put cc and c++ on the PATH): the CPU runs the "
+                       "slower torch reference ops")
         return None
     from ..build_cache import build_cached
 
     flags = compiler_flags()
     try:
-        directory = build_cached(f"cpu-kernels-{_build_key(compiler, flags)}",
-                                 lambda tmp: compile_library(compiler, flags, tmp))
-        library = ctypes.CDLL(str(directory / LIBRARY_NAME))
+        key = build_key(sources_digest(), REGISTRATION.read_bytes(), compiler, _version(compiler), cxx,
+                        _version(cxx), *flags, *registration_flags())
+        directory = build_cached(f"cpu-kernels-{key}", lambda tmp: compile_library(compiler, flags, tmp))
+        return load_ops(directory / LIBRARY_NAME)
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernels unavailable, using torch reference ops: %s", error)
         return None
-    return bind(library)
-
-
-def bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    """The argument and return types of every kernel, so ctypes passes int64 and float arguments as such."""
-    for name, argtypes in SIGNATURES.items():
-        for suffix in DTYPE_SUFFIX.values():
-            fn = getattr(library, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, _int if name in INT_RESULTS else None
-    for name in ("linear_available", "prefill_attention_available"):
-        fn = getattr(library, name)
-        fn.argtypes, fn.restype = (), _int
-    library.set_packed_prefetch_min_rows.argtypes = (_int,)
-    library.set_packed_prefetch_min_rows.restype = _int
-    library.greedy_logprobs.argtypes = (_ptr, _i64, _i64, _ptr, _ptr, _int)  # float32 logits only
-    library.greedy_logprobs.restype = None
-    library.prefill_attention_f32.argtypes = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                                              _i64, _i64, _f32, _i64, _ptr, _int)  # float32 only
-    library.prefill_attention_f32.restype = None
-    return library

@@ -1,17 +1,18 @@
 /* Native CPU kernels for the decoder (see kernels/cpu/__init__.py for why they exist).
  *
- * C with OpenMP, loaded through ctypes: no Python headers, no torch headers, so it builds in about a second with
- * the system compiler. Decode attention and SiLU use AVX2/FMA intrinsics when the build targets them (see
- * kernels/cpu/build.py); every op also has a portable C path. Every op exists for float32 (suffix _f32) and
- * bfloat16 (suffix _bf16, stored as uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even)
+ * C with OpenMP, no Python or torch headers, so it builds in seconds with the system compiler; registration.cpp
+ * declares every exported function as a torch operator (torch.ops.ksana.*) and both link into one library.
+ * Decode attention and SiLU use AVX2/FMA intrinsics when the build targets them (see kernels/cpu/build.py); every
+ * op also has a portable C path. Every op exists for float32 (suffix _f32) and bfloat16 (suffix _bf16, stored as
+ * uint16). Arithmetic is float32; bfloat16 results are rounded (nearest even)
  * at the points where torch's eager reference rounds, so both paths agree to the last bit in the elementwise ops
  * other than SiLU (whose exp differs by an ulp) and to float32 rounding error in the reductions. AVX2 and AVX-512
  * builds add the packed-weight linear and a whole decode step's layers (`decode_layers`, both at the end of this
  * file); AVX-512 builds also a 16-lane decode attention task and greedy sampler.
  *
  * Threading: OpenMP regions use the libgomp that torch already loaded (same soname), so torch and these kernels
- * share one thread pool; the caller passes torch's thread count. `decode_layers` runs a whole step as one region
- * whose threads meet at a barrier of their own (team_wait) between ops.
+ * share one thread pool; the operators pass the calling thread's torch thread count. `decode_layers` runs a whole
+ * step as one region whose threads meet at a barrier of their own (team_wait) between ops.
  */
 #include <math.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -46,10 +47,7 @@ static inline void store_bf16(bf16_t *p, float x) { *p = f32_to_bf16(x); }
 static inline float round_f32(float x) { return x; }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
-/* Parallelise only work big enough to pay for waking the pool: a region costs microseconds on an idle machine
- * but a scheduler time slice when another thread holds a core (the engine's event loop, a neighbour), so decode-
- * sized elementwise ops stay on the calling thread, as torch's own grain size (32768) keeps them. */
-#define PARALLEL_MIN_ELEMS 65536
+#include "parallel.h"
 #define PARALLEL_MIN_ATTENTION_WORK (1 << 20) /* context positions x query heads x head_dim */
 /* Lower where few sequences' tasks split (paged_decode): there both threads halve a long context's attention,
  * worth waking the pool for at batch 1; the same threshold for every batch slows serving's many small steps. */
@@ -764,53 +762,21 @@ static inline __m256 silu8(__m256 g) {
 #define SILU_AND_MUL_AVX2(SUF)                                                                                  \
     for (; j + 8 <= d; j += 8)                                                                                  \
         store8_##SUF(o + j, _mm256_mul_ps(round8_##SUF(silu8(load8_##SUF(g + j))), load8_##SUF(u + j)));
-/* rotary_token's operations 8 lanes at a time (-b * s as (b * s) with the sign flipped: the same product). */
-#define ROTARY_AVX2(SUF)                                                                                        \
-    for (; d + 8 <= half; d += 8) {                                                                             \
-        __m256 a = load8_##SUF(xh + d), b = load8_##SUF(xh + d + half), sign = _mm256_set1_ps(-0.0f);           \
-        __m256 c1 = load8_##SUF(c + d), s1 = load8_##SUF(s + d);                                                \
-        __m256 c2 = load8_##SUF(c + d + half), s2 = load8_##SUF(s + d + half);                                  \
-        store8_##SUF(o + d, _mm256_add_ps(round8_##SUF(_mm256_mul_ps(a, c1)),                                   \
-                                          round8_##SUF(_mm256_xor_ps(_mm256_mul_ps(b, s1), sign))));            \
-        store8_##SUF(o + d + half, _mm256_add_ps(round8_##SUF(_mm256_mul_ps(b, c2)),                            \
-                                                 round8_##SUF(_mm256_mul_ps(a, s2))));                          \
-    }
-/* rms_norm_row's passes 8 lanes at a time. The residual's sums and the output's products are the scalar loops'
- * operations lane for lane; the sum of squares goes into four 8-lane partial sums, then sum8 of their sum (the
- * scalar loop left the order to the compiler). The gain is mostly bfloat16's, whose scalar loop is conversions. */
-#define RMS_ADD_AVX2(SUF)                                                                                        \
-    for (; d + 8 <= dim; d += 8)                                                                                 \
-        store8_##SUF(residual_out + d, _mm256_add_ps(load8_##SUF(src + d), load8_##SUF(add + d)));
-#define RMS_SUM_SQUARES_AVX2(SUF)                                                                                \
-    {                                                                                                            \
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                                              \
-        for (; d + 32 <= dim; d += 32) {                                                                         \
-            __m256 x0 = load8_##SUF(src + d), x1 = load8_##SUF(src + d + 8);                                     \
-            __m256 x2 = load8_##SUF(src + d + 16), x3 = load8_##SUF(src + d + 24);                               \
-            s0 = _mm256_add_ps(s0, _mm256_mul_ps(x0, x0)), s1 = _mm256_add_ps(s1, _mm256_mul_ps(x1, x1));        \
-            s2 = _mm256_add_ps(s2, _mm256_mul_ps(x2, x2)), s3 = _mm256_add_ps(s3, _mm256_mul_ps(x3, x3));        \
-        }                                                                                                        \
-        for (; d + 8 <= dim; d += 8) {                                                                           \
-            __m256 x0 = load8_##SUF(src + d);                                                                    \
-            s0 = _mm256_add_ps(s0, _mm256_mul_ps(x0, x0));                                                       \
-        }                                                                                                        \
-        ss = sum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));                                  \
-    }
-#define RMS_SCALE_AVX2(SUF)                                                                                      \
-    for (__m256 vinv = _mm256_set1_ps(inv); d + 8 <= dim; d += 8)                                                \
-        store8_##SUF(o + d, _mm256_mul_ps(load8_##SUF(w + d),                                                    \
-                                          round8_##SUF(_mm256_mul_ps(load8_##SUF(src + d), vinv))));
 #define DECODE_AVX2 1
 #define DECODE_TASK_AVX2(SUF) decode_task_avx2_##SUF
 #else
 #define SILU_AND_MUL_AVX2(SUF)
-#define ROTARY_AVX2(SUF)
-#define RMS_ADD_AVX2(SUF)
-#define RMS_SUM_SQUARES_AVX2(SUF)
-#define RMS_SCALE_AVX2(SUF)
 #define DECODE_AVX2 0
 #define DECODE_TASK_AVX2(SUF) decode_task_scalar_##SUF
 #endif
+
+/* RMSNorm and rotary rows, defined in norms.cpp (the same code as the rms_norm and rotary_neox operators). */
+void rms_norm_row_f32(const float *src, const float *add, float *residual_out, const float *w, float *o, int64_t dim,
+                      float eps);
+void rms_norm_row_bf16(const bf16_t *src, const bf16_t *add, bf16_t *residual_out, const bf16_t *w, bf16_t *o,
+                       int64_t dim, float eps);
+void rotary_token_f32(const float *x, const float *c, const float *s, float *out, int64_t nheads, int64_t dim);
+void rotary_token_bf16(const bf16_t *x, const bf16_t *c, const bf16_t *s, bf16_t *out, int64_t nheads, int64_t dim);
 
 /* The per-row and per-task bodies that both the ops and decode_layers run: kept out of line, so decode_layers
  * (compiled for AVX-512) runs the very code the ops run, with the same vectorised reductions and the same bits. */
@@ -868,59 +834,6 @@ static void silu_and_mul_row16_bf16(const bf16_t *g, bf16_t *o, int64_t d);
 #endif
 
 #define DEFINE_KERNELS(SUF, T)                                                                                  \
-    /* out = w * round(r * rsqrt(mean(r^2) + eps)), r = x (+ add, rounded, also written to residual_out). */    \
-    static NOINLINE void rms_norm_row_##SUF(const T *src, const T *add, T *residual_out, const T *w, T *o,       \
-                                          int64_t dim, float eps) {                                              \
-        int64_t d = 0;                                                                                           \
-        if (add) { /* the new residual, rounded as torch's add rounds; it is what gets normalised */             \
-            RMS_ADD_AVX2(SUF)                                                                                    \
-            for (; d < dim; d++) store_##SUF(residual_out + d, load_##SUF(src + d) + load_##SUF(add + d));       \
-            src = residual_out;                                                                                  \
-        }                                                                                                        \
-        float ss = 0.f;                                                                                          \
-        d = 0;                                                                                                   \
-        RMS_SUM_SQUARES_AVX2(SUF)                                                                                \
-        for (; d < dim; d++) ss += load_##SUF(src + d) * load_##SUF(src + d);                                    \
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                                         \
-        d = 0;                                                                                                   \
-        RMS_SCALE_AVX2(SUF)                                                                                      \
-        for (; d < dim; d++) store_##SUF(o + d, load_##SUF(w + d) * round_##SUF(load_##SUF(src + d) * inv));     \
-    }                                                                                                            \
-    void rms_norm_##SUF(const T *x, int64_t x_stride, const T *add, T *residual_out, const T *w, T *out,        \
-                        int64_t rows, int64_t dim, float eps, int nthreads) {                                   \
-        _Pragma("omp parallel for num_threads(nthreads) if (rows * dim >= PARALLEL_MIN_ELEMS)")                 \
-        for (int64_t i = 0; i < rows; i++)                                                                       \
-            rms_norm_row_##SUF(x + i * x_stride, add ? add + i * dim : NULL,                                     \
-                               add ? residual_out + i * dim : NULL,                                              \
-                               w, out + i * dim, dim, eps);                                                      \
-    }                                                                                                            \
-                                                                                                                 \
-    /* neox rotary: out[t, h] = round(round(x * cos) + round(rot(x) * sin)), rot(x) = [-x2, x1]. */             \
-    static NOINLINE void rotary_token_##SUF(const T *x, const T *c, const T *s, T *out, int64_t nheads,          \
-                                          int64_t dim) {                                                         \
-        int64_t half = dim / 2;                                                                                  \
-        for (int64_t h = 0; h < nheads; h++) {                                                                   \
-            const T *xh = x + h * dim;                                                                           \
-            T *o = out + h * dim;                                                                                \
-            int64_t d = 0;                                                                                       \
-            ROTARY_AVX2(SUF)                                                                                     \
-            for (; d < half; d++) {                                                                              \
-                float a = load_##SUF(xh + d), b = load_##SUF(xh + d + half);                                     \
-                float c1 = load_##SUF(c + d), s1 = load_##SUF(s + d);                                            \
-                float c2 = load_##SUF(c + d + half), s2 = load_##SUF(s + d + half);                              \
-                store_##SUF(o + d, round_##SUF(a * c1) + round_##SUF(-b * s1));                                  \
-                store_##SUF(o + d + half, round_##SUF(b * c2) + round_##SUF(a * s2));                            \
-            }                                                                                                    \
-        }                                                                                                        \
-    }                                                                                                            \
-    void rotary_neox_##SUF(const T *x, int64_t tok_stride, const T *cos, const T *sin, T *out, int64_t ntok,    \
-                           int64_t nheads, int64_t dim, int nthreads) {                                          \
-        _Pragma("omp parallel for num_threads(nthreads) if (ntok * nheads * dim >= PARALLEL_MIN_ELEMS)")        \
-        for (int64_t t = 0; t < ntok; t++)                                                                       \
-            rotary_token_##SUF(x + t * tok_stride, cos + t * dim, sin + t * dim, out + t * nheads * dim, nheads, \
-                               dim);                                                                             \
-    }                                                                                                            \
-                                                                                                                 \
     /* Columns [j, d) of silu_and_mul_row, one at a time with expf: the vector loops' tail. */                   \
     static NOINLINE void silu_and_mul_tail_##SUF(const T *g, T *o, int64_t j, int64_t d) {                       \
         for (; j < d; j++) {                                                                                     \

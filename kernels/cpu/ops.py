@@ -1,12 +1,13 @@
 """The native CPU kernels behind the torch reference signatures, so ``KernelOps`` can swap them in.
 
-Each wrapper checks what the C code assumes (a supported dtype, unit stride in the last dimension, head rows
-``head_dim`` apart) and otherwise returns the torch reference's result, so callers never have to care.
+The kernels are torch operators (``torch.ops.ksana``, see ``registration.cpp``), which check their arguments and
+raise on what they cannot take. Each wrapper here checks what the kernels take (a supported dtype, unit stride in
+the last dimension, head rows ``head_dim`` apart) first and otherwise returns the torch reference's result, so
+callers never have to care.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import weakref
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from .. import activation, attention, norm, rotary
 from ..attention_metadata import AttentionMetadata
 from ..dispatch import DecodeLayers, DecodeLayerWeights
-from .build import DTYPE_SUFFIX, SIGNATURES
+from .build import DTYPES
 from .huge_pages import huge_page_empty
 from .packed import PANEL, PackedWeight, packed_numel
 
@@ -90,27 +91,25 @@ def _cpu_vendor() -> str:
 
 
 class NativeCPUOps:
-    """Bound kernels of one loaded library; methods mirror the torch reference functions."""
+    """The operators of one loaded library; methods mirror the torch reference functions."""
 
-    def __init__(self, library: ctypes.CDLL, bf16_blas_min_rows: int | None = None,
+    def __init__(self, library, bf16_blas_min_rows: int | None = None,
                  bf16_prefill_query_chunk: int | None = None, prefetch_min_rows: int | None = None) -> None:
         """``bf16_blas_min_rows``: bfloat16 matmuls over packed weights with at least this many rows go to torch's
         matmul (``cpu_ops`` sets ``bf16_onednn_min_rows()``); None: never. ``bf16_prefill_query_chunk``: the
         queries per SDPA call of a bfloat16 prefill (``cpu_ops`` sets ``AMX_PREFILL_QUERY_CHUNK`` on AMX CPUs);
         None: the reference's. ``prefetch_min_rows``: from how many input rows the packed linear prefetches
         its weights in software, set in the library, so for every user of it in this process; None: this CPU's
-        (``packed_prefetch_min_rows()``)."""
-        self._fns = {(name, dtype): getattr(library, f"{name}_{suffix}")
-                     for name in SIGNATURES for dtype, suffix in DTYPE_SUFFIX.items()}
+        (``packed_prefetch_min_rows()``). ``library``: ``torch.ops.ksana`` (``load_library``), or another build's
+        namespace."""
+        self.library = library
         self.has_linear = bool(library.linear_available())
         rows = packed_prefetch_min_rows() if prefetch_min_rows is None else prefetch_min_rows
         library.set_packed_prefetch_min_rows(rows)
         self.bf16_blas_min_rows = bf16_blas_min_rows if self.has_linear else None
         self.bf16_prefill_query_chunk = bf16_prefill_query_chunk
         self._scratch = threading.local()  # each thread's unpacked weight (the worker's, perf mode's)
-        self._greedy_logprobs = library.greedy_logprobs
-        available = library.prefill_attention_available()
-        self._prefill_attention = library.prefill_attention_f32 if available else None
+        self.has_prefill_attention = bool(library.prefill_attention_available())
         # The address table, windows and cache layout of the last ``DecodeLayers`` seen: a model passes the same
         # one each step (a new KV cache makes a new one).
         self._table_of: tuple[weakref.ref, torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
@@ -122,7 +121,7 @@ class NativeCPUOps:
         their sum and ``residual`` the sum), or None when the step is not one it takes (weights not packed, an
         unsupported dtype or layout), and the caller runs the loop."""
         rows = hidden.shape[0]
-        if not (self.has_linear and rows > 0 and hidden.dtype in DTYPE_SUFFIX
+        if not (self.has_linear and rows > 0 and hidden.dtype in DTYPES
                 and hidden.is_contiguous() and cos.dtype == sin.dtype == hidden.dtype and cos.is_contiguous()
                 and sin.is_contiguous() and meta.block_tables.stride(-1) == 1 and meta.seq_lens.is_contiguous()
                 and meta.slot_mapping.is_contiguous()
@@ -140,13 +139,10 @@ class NativeCPUOps:
         _, table, windows, layout = self._table_of
         hidden = hidden.clone()  # overwritten in place: the embedding's output may be someone else's
         residual = torch.empty_like(hidden)
-        block_tables = meta.block_tables
-        self._fns["decode_layers", hidden.dtype](
-            table.data_ptr(), windows.data_ptr(), len(layers), hidden.data_ptr(), residual.data_ptr(), rows,
-            model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size,
-            cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), meta.seq_lens.data_ptr(), meta.block_size, *layout, model.eps, model.scale,
-            torch.get_num_threads(), None if model.final_norm is None else model.final_norm.data_ptr())
+        self.library.decode_layers(
+            table, windows, hidden, residual, model.num_heads, model.num_kv_heads, model.head_dim,
+            model.intermediate_size, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.block_size,
+            *layout, model.eps, model.scale, model.final_norm)
         return hidden, residual
 
     def greedy_logprobs(self, logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
@@ -155,10 +151,7 @@ class NativeCPUOps:
         if not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_contiguous()
                 and logits.device.type == "cpu"):
             return None
-        rows, vocab = logits.shape
-        ids, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
-        self._greedy_logprobs(logits.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr(),
-                              torch.get_num_threads())
+        ids, logprobs = self.library.greedy_logprobs(logits)
         return ids.tolist(), logprobs.tolist()
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor | PackedWeight:
@@ -191,13 +184,12 @@ class NativeCPUOps:
             offsets[dtype] = start + size
             packed = buffers[dtype][start:start + size].view(-1, in_features, PANEL)
             weight = weight.contiguous()
-            self._fns["pack_weight", dtype](weight.data_ptr(), out_features, in_features, packed.data_ptr(),
-                                            torch.get_num_threads())
+            self.library.pack_weight(weight, packed)
             del weight
             yield PackedWeight(packed, out_features, in_features)
 
     def _packable(self, weight: torch.Tensor) -> bool:
-        return (self.has_linear and weight.dim() == 2 and weight.dtype in DTYPE_SUFFIX
+        return (self.has_linear and weight.dim() == 2 and weight.dtype in DTYPES
                 and weight.device.type == "cpu" and weight.numel() > 0)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight,
@@ -212,12 +204,7 @@ class NativeCPUOps:
         if self.bf16_blas_min_rows is not None and rows.dtype == torch.bfloat16 and (
                 rows.shape[0] >= self.bf16_blas_min_rows):
             return self._blas_linear(rows, weight, bias).view(*x.shape[:-1], weight.out_features)
-        out = torch.empty((rows.shape[0], weight.out_features), dtype=x.dtype)
-        if rows.shape[0] > 0:
-            self._fns["packed_linear", x.dtype](rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
-                                                None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                                rows.shape[0], weight.out_features, weight.in_features,
-                                                torch.get_num_threads())
+        out = self.library.packed_linear(rows, weight.packed, bias, weight.out_features)
         return out.view(*x.shape[:-1], weight.out_features)
 
     def _blas_linear(self, rows: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -230,8 +217,7 @@ class NativeCPUOps:
         if scratch is None or scratch.dtype != rows.dtype or scratch.numel() < size:
             scratch = self._scratch.buffer = torch.empty(size, dtype=rows.dtype)
         unpacked = scratch[:size].view(in_features, panels * PANEL)
-        self._fns["unpack_weight", rows.dtype](weight.packed.data_ptr(), panels, in_features, unpacked.data_ptr(),
-                                 torch.get_num_threads())
+        self.library.unpack_weight(weight.packed, unpacked)
         transposed = unpacked[:, : weight.out_features]
         return torch.mm(rows, transposed) if bias is None else torch.addmm(bias, rows, transposed)
 
@@ -242,14 +228,10 @@ class NativeCPUOps:
         rounding in the log-probability (see ``packed_linear_greedy`` in ksana_cpu.c). None where it does not apply
         (a plain weight, fewer than ``min_rows`` rows, a layout the native matmul does not take)."""
         if not (isinstance(weight, PackedWeight) and hidden.dim() == 2 and max(min_rows, 1) <= hidden.shape[0]
-                and hidden.dtype == weight.dtype and hidden.dtype in DTYPE_SUFFIX and hidden.stride(-1) == 1
+                and hidden.dtype == weight.dtype and hidden.dtype in DTYPES and hidden.stride(-1) == 1
                 and hidden.shape[-1] == weight.in_features and 0 < vocab_size <= weight.out_features):
             return None
-        rows = hidden.shape[0]
-        ids, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
-        self._fns["packed_linear_greedy", hidden.dtype](
-            hidden.data_ptr(), hidden.stride(0), weight.packed.data_ptr(), rows, weight.out_features,
-            weight.in_features, vocab_size, ids.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
+        ids, logprobs = self.library.packed_linear_greedy(hidden, weight.packed, weight.out_features, vocab_size)
         return ids.tolist(), logprobs.tolist()
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
@@ -262,21 +244,16 @@ class NativeCPUOps:
         if (ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous()
                 or n > NATIVE_EMBEDDING_MAX_ROWS):
             return weight.rows(ids)
-        out = torch.empty((n, weight.in_features), dtype=weight.dtype)
-        gather = self._fns["packed_rows", weight.dtype]
-        if gather(weight.packed.data_ptr(), weight.out_features, weight.in_features, ids.data_ptr(), n,
-                  out.data_ptr()):
-            return weight.rows(ids)  # an id outside [0, out_features): as the indexing treats it
-        return out
+        try:
+            return self.library.packed_rows(weight.packed, weight.out_features, ids)
+        except IndexError:  # an id outside [0, out_features): as the indexing treats it
+            return weight.rows(ids)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not _rows_ok(x, weight):
             return norm.rms_norm(x, weight, eps)
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.empty(rows.shape, dtype=x.dtype)
-        self._fns["rms_norm", x.dtype](rows.data_ptr(), rows.stride(0), None, None, weight.data_ptr(),
-                                       out.data_ptr(), rows.shape[0], rows.shape[1], eps, torch.get_num_threads())
-        return out.view(x.shape)
+        return self.library.rms_norm(rows, weight, eps).view(x.shape)
 
     def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,32 +261,21 @@ class NativeCPUOps:
                 and residual.dtype == x.dtype):
             return norm.fused_add_rms_norm(x, residual, weight, eps)
         rows = x.reshape(-1, x.shape[-1])
-        out, new_residual = torch.empty(rows.shape, dtype=x.dtype), torch.empty(rows.shape, dtype=x.dtype)
-        self._fns["rms_norm", x.dtype](rows.data_ptr(), rows.stride(0), residual.data_ptr(), new_residual.data_ptr(),
-                                       weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps,
-                                       torch.get_num_threads())
+        out, new_residual = self.library.fused_add_rms_norm(rows, residual.view(rows.shape), weight, eps)
         return out.view(x.shape), new_residual.view(x.shape)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in DTYPE_SUFFIX or x.stride(-1) != 1:
+        if x.dtype not in DTYPES or x.stride(-1) != 1:
             return activation.silu_and_mul(x)
         rows = x.reshape(-1, x.shape[-1])
-        d = rows.shape[1] // 2
-        out = torch.empty((rows.shape[0], d), dtype=x.dtype)
-        self._fns["silu_and_mul", x.dtype](rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], d,
-                                           torch.get_num_threads())
-        return out.view(*x.shape[:-1], d)
+        return self.library.silu_and_mul(rows).view(*x.shape[:-1], rows.shape[1] // 2)
 
     def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      is_neox: bool = True) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = x.shape
         if not (is_neox and _heads_ok(x) and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
                 and sin.is_contiguous()):
             return rotary.apply_rotary(x, cos, sin, is_neox)
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
-        self._fns["rotary_neox", x.dtype](x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                                          num_tokens, num_heads, head_dim, torch.get_num_threads())
-        return out
+        return self.library.rotary_neox(x, cos, sin)
 
     def store_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
@@ -317,10 +283,7 @@ class NativeCPUOps:
         if not (_heads_ok(key) and _heads_ok(value) and key.dtype == value.dtype == k_cache.dtype
                 and layout is not None and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
             return attention.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-        num_tokens, num_kv_heads, head_dim = key.shape
-        self._fns["store_kv", key.dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                                         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens,
-                                         num_kv_heads, head_dim, k_cache.shape[1], *layout)
+        self.library.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return None
 
     def paged_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -332,14 +295,7 @@ class NativeCPUOps:
                 and seq_lens.is_contiguous()):
             return attention.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                                     sliding_window, max_seq_len)
-        batch, num_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = k_cache.shape
-        out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype)
-        self._fns["paged_decode", query.dtype](
-            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-            block_size, *layout, scale, sliding_window or 0, torch.get_num_threads())
-        return out
+        return self.library.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0)
 
     def paged_prefill_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
@@ -349,18 +305,14 @@ class NativeCPUOps:
         bfloat16 in ``bf16_prefill_query_chunk`` queries a call where that is set."""
         layout = _cache_layout(k_cache, v_cache)
         q_len, num_heads, head_dim = query.shape
-        if not (self._prefill_attention is not None and query.dtype == k_cache.dtype == torch.float32
+        if not (self.has_prefill_attention and query.dtype == k_cache.dtype == torch.float32
                 and _heads_ok(query) and layout is not None and head_dim % 8 == 0 and q_len > 0
                 and block_table.dtype == torch.int64 and block_table.is_contiguous()):
             chunk = self.bf16_prefill_query_chunk if query.dtype == torch.bfloat16 else None
             return attention.paged_prefill_attention(query, key, value, k_cache, v_cache, block_table, seq_len,
                                                      scale, sliding_window, query_chunk=chunk)
-        _, block_size, num_kv_heads, _ = k_cache.shape
-        out = torch.empty((q_len, num_heads, head_dim), dtype=query.dtype)
-        self._prefill_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                block_table.data_ptr(), q_len, seq_len, num_heads, num_kv_heads, head_dim, block_size,
-                                *layout, scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
-        return out
+        return self.library.prefill_attention(query, k_cache, v_cache, block_table, seq_len, scale,
+                                              sliding_window or 0)
 
 
 def _addresses(layer: DecodeLayerWeights) -> list[int]:
@@ -400,10 +352,10 @@ def _storage(t: torch.Tensor | PackedWeight) -> torch.Tensor:
 
 def _rows_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A row-wise op can run natively: supported dtype, the weight's too, and contiguous rows."""
-    return (x.dtype in DTYPE_SUFFIX and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1
+    return (x.dtype in DTYPES and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1
             and (x.dim() == 1 or x.dim() == 2 or x.is_contiguous()))
 
 
 def _heads_ok(x: torch.Tensor) -> bool:
     """``[T, heads, head_dim]`` with each token's heads packed (the C code steps tokens by ``stride(0)``)."""
-    return x.dim() == 3 and x.dtype in DTYPE_SUFFIX and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    return x.dim() == 3 and x.dtype in DTYPES and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ksana.kernels import attention, norm, rotary
 from ksana.kernels.backends import cpu_ops
 from ksana.kernels.cpu import load_library
-from ksana.kernels.cpu.build import LEVELS, cpu_level, find_compiler
+from ksana.kernels.cpu.build import LEVELS, cpu_level, find_compiler, find_cxx_compiler
 from ksana.kernels.cpu.ops import (
     AMD_PACKED_PREFETCH_MIN_ROWS,
     AMX_MIN_ROWS,
@@ -41,18 +41,18 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def library() -> ctypes.CDLL:
-    """The compiled kernels; the tests that need them skip where they cannot build (the engine then runs the torch
-    reference ops, which ``test_no_compiler.py`` covers)."""
-    if find_compiler() is None:
-        pytest.skip("no C compiler: the native CPU kernels cannot build here")
+def library():
+    """The compiled kernels' operators (``torch.ops.ksana``); the tests that need them skip where they cannot build
+    (the engine then runs the torch reference ops, which ``test_no_compiler.py`` covers)."""
+    if find_compiler() is None or find_cxx_compiler() is None:
+        pytest.skip("no C or C++ compiler: the native CPU kernels cannot build here")
     built = load_library()
-    assert built is not None, "a C compiler is on the PATH, yet the kernels did not build (see the log)"
+    assert built is not None, "C and C++ compilers are on the PATH, yet the kernels did not build (see the log)"
     return built
 
 
 @pytest.fixture(scope="module")
-def native(library: ctypes.CDLL) -> NativeCPUOps:
+def native(library) -> NativeCPUOps:
     return NativeCPUOps(library)
 
 
@@ -64,7 +64,7 @@ def packing(native: NativeCPUOps) -> NativeCPUOps:
     return native
 
 
-def test_cpu_dispatch_picks_the_native_kernels(library: ctypes.CDLL) -> None:
+def test_cpu_dispatch_picks_the_native_kernels(library) -> None:
     ops = cpu_ops()
     assert ops.name == "cpu-native"
     # the native prefill wrapper, which keeps SDPA where its kernel does not apply
@@ -76,9 +76,10 @@ LOWER_LEVELS = LEVELS[: max(1, LEVELS.index(cpu_level()))]
 
 
 @pytest.mark.parametrize("level", LOWER_LEVELS)
-def test_lower_instruction_set_builds_match_the_reference(library: ctypes.CDLL, tmp_path, level: str) -> None:
-    """Each lower level's build, in a fresh cache: decode attention (both task layouts and split tasks, with and
-    without a window) and, from AVX2 on, the packed linear kernel with float32 widening of bfloat16."""
+def test_lower_instruction_set_builds_match_the_reference(library, level: str) -> None:
+    """Each lower level's build: decode attention (both task layouts and split tasks, with and without a window),
+    from AVX2 on the packed linear kernel with float32 widening of bfloat16, and the C++ norm and rotary (their
+    portable lanes below AVX2)."""
     code = f"""
 import sys
 sys.path.append({str(Path(__file__).resolve().parents[2])!r})  # the tests package, after site-packages
@@ -115,10 +116,18 @@ ids, logprobs = native.greedy_logprobs(logits)
 assert ids == logits.argmax(dim=-1).tolist()
 raw = torch.log_softmax(logits, dim=-1)
 torch.testing.assert_close(torch.tensor(logprobs), raw[torch.arange(3), ids], rtol=0, atol=1e-5)
+# the C++ kernels over vec.h's lanes: elementwise bits as torch's, the norm to float32 rounding
+from ksana.kernels import norm, rotary
+for dtype in (torch.float32, torch.bfloat16):
+    x, residual, w = (torch.randn(5, 45) * 3).to(dtype), torch.randn(5, 45).to(dtype), torch.randn(45).to(dtype)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), norm.rms_norm(x, w, 1e-5))
+    normed, new_residual = native.fused_add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(new_residual, norm.fused_add_rms_norm(x, residual, w, 1e-5)[1])
+    q, cos, sin = torch.randn(3, 4, 40).to(dtype), torch.randn(3, 40).to(dtype), torch.randn(3, 40).to(dtype)
+    assert torch.equal(native.apply_rotary(q, cos, sin), rotary.apply_rotary(q, cos, sin))
 """
-    env = {**os.environ, "KSANA_CPU_KERNELS": level, "KSANA_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "KSANA_CPU_KERNELS": level}  # the suite's kernel cache: one registration for every level
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
-    assert list(tmp_path.glob("cpu-kernels-*/libksana_cpu.so"))
 
 
 def test_env_switch_falls_back_to_the_torch_reference() -> None:
@@ -402,7 +411,7 @@ def test_native_prefill_attention_matches_dense(native: NativeCPUOps, num_heads:
                                                 head_dim: int, window: int | None) -> None:
     """The float32 prefill kernel (query blocks of 16 positions against key tiles of 16; 32-wide and 8-wide
     value chunks; query groups of 3, of 1, and of 4 and 7 with heads left over) against a float64 dense result."""
-    assert (native._prefill_attention is not None) == native.has_linear  # an AVX2 build has it, a portable not
+    assert native.has_prefill_attention == native.has_linear  # an AVX2 build has it, a portable not
     for i, (q_len, seq_len) in enumerate(NATIVE_PREFILLS):
         q, keys, values, k_cache, v_cache, table = _prefill_case(head_dim, num_heads, num_kv_heads, q_len, seq_len,
                                                                  seed=i, head_major=i % 2 == 0)
@@ -429,7 +438,7 @@ def test_native_prefill_keeps_sdpa_for_bfloat16(native: NativeCPUOps) -> None:
 
 
 @pytest.mark.parametrize(("q_len", "seq_len"), [(300, 300), (100, 400)])
-def test_bfloat16_prefill_takes_its_own_query_chunks(library: ctypes.CDLL, monkeypatch, q_len: int,
+def test_bfloat16_prefill_takes_its_own_query_chunks(library, monkeypatch, q_len: int,
                                                      seq_len: int) -> None:
     """With ``bf16_prefill_query_chunk`` (AMX CPUs) a bfloat16 prefill is the reference's in chunks of that many
     queries; float32 keeps the native kernel."""
@@ -454,7 +463,7 @@ def test_bfloat16_prefill_takes_its_own_query_chunks(library: ctypes.CDLL, monke
     assert torch.equal(chunked.paged_prefill_attention(*args32), unchunked)
 
 
-def test_cpu_dispatch_chunks_bfloat16_prefills_for_amx_exactly_on_amx(library: ctypes.CDLL) -> None:
+def test_cpu_dispatch_chunks_bfloat16_prefills_for_amx_exactly_on_amx(library) -> None:
     prefill = cpu_ops().paged_prefill_attention
     assert prefill.__self__.bf16_prefill_query_chunk == (AMX_PREFILL_QUERY_CHUNK if amx_bf16_available() else None)
 
@@ -595,12 +604,12 @@ def test_unpack_weight_gives_the_weight_transposed(packing: NativeCPUOps, dtype:
     weight = torch.randn(61, 150).to(dtype)
     packed = packing.pack_weight(weight)
     unpacked = torch.full((150, 64), float("nan"), dtype=dtype)
-    packing._fns["unpack_weight", dtype](packed.packed.data_ptr(), 4, 150, unpacked.data_ptr(), 2)
+    packing.library.unpack_weight(packed.packed, unpacked)
     assert torch.equal(unpacked[:, :61], weight.T) and not unpacked[:, 61:].any()
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bfloat16_projections_of_many_rows_go_to_torch_matmul(packing: NativeCPUOps, library: ctypes.CDLL,
+def test_bfloat16_projections_of_many_rows_go_to_torch_matmul(packing: NativeCPUOps, library,
                                                               with_bias: bool) -> None:
     """From ``bf16_blas_min_rows`` rows (strided ones, and 3-d input) the matmul runs in torch from the unpacked
     panels, to bfloat16 rounding of the float32 result as the native kernel; fewer rows stay native. float32
@@ -650,7 +659,7 @@ def test_packed_prefetch_threshold_follows_the_cpu(monkeypatch: pytest.MonkeyPat
     assert packed_prefetch_min_rows() == expected
 
 
-def test_native_ops_set_the_libraries_prefetch_threshold(library: ctypes.CDLL) -> None:
+def test_native_ops_set_the_libraries_prefetch_threshold(library) -> None:
     original = library.set_packed_prefetch_min_rows(1)
     try:
         NativeCPUOps(library, prefetch_min_rows=7)
@@ -663,7 +672,7 @@ def test_native_ops_set_the_libraries_prefetch_threshold(library: ctypes.CDLL) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_gives_the_same_bits_with_and_without_software_prefetch(packing: NativeCPUOps,
-                                                                             library: ctypes.CDLL,
+                                                                             library,
                                                                              dtype: torch.dtype) -> None:
     """Prefetching only moves weights into the caches earlier: every row count, with the tiles of fewer rows than
     the threshold left to the hardware prefetchers (17: all of them), gives what the prefetching tiles give."""
@@ -684,7 +693,7 @@ def test_packed_linear_gives_the_same_bits_with_and_without_software_prefetch(pa
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_decode_layers_give_the_same_bits_without_software_prefetch(packing: NativeCPUOps,
-                                                                         library: ctypes.CDLL, tmp_path,
+                                                                         library, tmp_path,
                                                                          dtype: torch.dtype) -> None:
     """The fused step's tiles (gate-up-SwiGLU's pairs of panels too) at 1-4 rows, prefetching and not."""
     model_dir = make_checkpoint(tmp_path, "llama")
@@ -858,3 +867,77 @@ def test_a_loaded_models_projections_are_one_stream_in_decode_order(packing: Nat
         assert model.embed_weight is model.lm_head_weight
     packed_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "_packed" in name)
     assert packed_bytes == sum(w.packed.numel() * 4 for w in order)
+
+
+def test_operators_name_what_they_cannot_take(library) -> None:
+    """The operators check their arguments at the boundary: a wrong dtype, a device, a shape each give an error
+    that names the argument, not a crash."""
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        library.rms_norm(x.double(), torch.ones(64, dtype=torch.float64), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        library.rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="silu_and_mul needs an even width"):
+        library.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        library.rotary_neox(torch.randn(3, 2, 8), torch.randn(3, 4), torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="slot_mapping must be a CPU int64 tensor"):
+        cache = torch.zeros(2, 4, 1, 8)
+        library.store_kv(torch.randn(1, 1, 8), torch.randn(1, 1, 8), cache, cache.clone(), torch.tensor([0.0]))
+
+
+def test_operators_have_fake_implementations_for_tracing(library) -> None:
+    """On fake tensors the operators give their outputs' shapes and dtypes without running a kernel, which is what
+    torch.compile traces with."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 128)
+        assert library.rms_norm(x, torch.empty(128), 1e-6).shape == (5, 128)
+        assert library.silu_and_mul(x).shape == (5, 64)
+        ids, logprobs = library.greedy_logprobs(torch.empty(3, 1000))
+        assert (ids.shape, ids.dtype, logprobs.dtype) == ((3,), torch.int64, torch.float32)
+        query = torch.empty(2, 6, 64, dtype=torch.bfloat16)
+        cache = torch.empty(8, 16, 2, 64, dtype=torch.bfloat16)
+        tables, lens = torch.zeros(2, 4, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+        out = library.paged_decode(query, cache, cache, tables, lens, 0.125, 0)
+        assert (out.shape, out.dtype) == ((2, 6, 64), torch.bfloat16)
+
+
+def test_operators_show_in_the_profiler_by_name(native: NativeCPUOps) -> None:
+    x, weight = torch.randn(4, 64), torch.randn(64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        native.rms_norm(x, weight, 1e-6)
+        native.silu_and_mul(torch.randn(4, 32))
+    names = {event.name for event in profile.events()}
+    assert {"ksana::rms_norm", "ksana::silu_and_mul"} <= names
+
+
+def test_operators_release_the_gil(packing: NativeCPUOps) -> None:
+    """The engine's forward thread runs beside the event loop's: Python code keeps running while an operator
+    computes on another thread. One long call (about a GFLOP): holding the GIL, it would leave this thread's loop
+    no turn at all while it runs."""
+    import threading
+
+    weight = packing.pack_weight(torch.randn(2048, 2048))
+    x = torch.randn(256, 2048)
+    packing.linear(x, weight)  # warm
+    ticks, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.05:
+        ticks += 1
+    alone_rate = ticks / (time.perf_counter() - start)
+    seconds = []
+
+    def compute() -> None:
+        started = time.perf_counter()
+        packing.linear(x, weight)
+        seconds.append(time.perf_counter() - started)
+
+    worker = threading.Thread(target=compute)
+    ticks = 0
+    worker.start()
+    while worker.is_alive():
+        ticks += 1
+        time.perf_counter()  # the same work a tick as above
+    worker.join()
+    assert ticks > 0.05 * alone_rate * seconds[0], (ticks, alone_rate, seconds)

@@ -65,6 +65,8 @@ def test_the_wheel_adds_only_ksana_to_site_packages(installed):
             module = Path(name) / init.relative_to(source)
             assert (installed / module).is_file(), f"{module} is missing from the wheel"
     assert (package / "kernels" / "cpu" / "ksana_cpu.c").is_file()  # built on first use on the CPU
+    for name in ("registration.cpp", "norms.cpp", "vec.h", "parallel.h"):
+        assert (package / "kernels" / "cpu" / name).is_file()
     assert (package / "perf" / "schema" / "perf_result.schema.json").is_file()
 
 

@@ -13,7 +13,7 @@ import pytest
 from ksana.kernels.cpu import build
 from tests.tools import load_tool, require_compiler, require_fused_decode
 
-NORM_LINE = "float inv = 1.0f / sqrtf(ss / (float)dim + eps);"
+FINISH_LINE = "float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;"
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,9 @@ def test_a_cpu_without_the_fused_step_is_reported(bench, monkeypatch):
 def test_a_build_that_rounds_differently_is_reported(bench, tmp_path):
     require_fused_decode()
     source = build.SOURCE.read_text()
-    assert NORM_LINE in source  # the line this test perturbs (RMSNorm's epsilon, doubled)
+    assert FINISH_LINE in source  # the line this test perturbs (the attention softmax's normaliser)
     changed = tmp_path / "ksana_cpu_changed.c"
-    changed.write_text(source.replace(NORM_LINE, NORM_LINE.replace("+ eps", "+ 2 * eps")))
+    changed.write_text(source.replace(FINISH_LINE, FINISH_LINE.replace("1.0f / sums[g]", "1.001f / sums[g]")))
     report = bench.run_ab(_settings(bench, changed))
     assert report["same_bits"] is False
     assert report["sources"]["a"]["sha256"] != report["sources"]["b"]["sha256"]
