@@ -105,7 +105,9 @@ class Sampler:
 
         token_ids = fast_argmax(logits)  # the fast path for every row; processed rows overwrite theirs
         processed = [i for i, row in enumerate(rows) if row.needs_processing]
-        if processed:
+        if len(processed) == len(rows):
+            token_ids = _sample_processed(logits, rows)
+        elif processed:
             index = torch.tensor(processed, dtype=torch.long, device=logits.device)
             token_ids[index] = _sample_processed(logits[index], [rows[i] for i in processed])
 
@@ -136,12 +138,59 @@ def _sample_processed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     if greedy:
         index = torch.tensor(greedy, dtype=torch.long, device=device)
         token_ids[index] = fast_argmax(x[index])
+    if len(sampled) == num_rows:
+        return _sample_random(x, rows)
     if sampled:
         index = torch.tensor(sampled, dtype=torch.long, device=device)
-        sampled_rows = [rows[i] for i in sampled]
-        probs = _truncated_probs(x[index], sampled_rows)
-        token_ids[index] = _draw(probs, sampled_rows)
+        token_ids[index] = _sample_random(x[index], [rows[i] for i in sampled])
     return token_ids
+
+
+def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One random draw per row: rows with only a temperature and top-p look for their nucleus among the
+    ``NUCLEUS_CANDIDATES`` highest logits first (``_nucleus_draw``), the others and the rows whose nucleus is wider
+    go through the full sort (``_truncated_probs``)."""
+    token_ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    vocab_size = x.shape[1]
+    nucleus = [i for i, row in enumerate(rows) if row.params.top_p < 1.0 and row.params.min_p == 0.0
+               and not 0 < row.params.top_k < vocab_size] if vocab_size > NUCLEUS_CANDIDATES else []
+    rest = sorted(set(range(len(rows))) - set(nucleus))
+    if nucleus:
+        index = torch.tensor(nucleus, dtype=torch.long, device=x.device)
+        drawn, found = _nucleus_draw(x if len(nucleus) == len(rows) else x[index], [rows[i] for i in nucleus])
+        token_ids[index[found]] = drawn[found]
+        rest = sorted(rest + [nucleus[i] for i in (~found).nonzero().flatten().tolist()])
+    if rest:
+        index = torch.tensor(rest, dtype=torch.long, device=x.device)
+        rest_rows = [rows[i] for i in rest]
+        token_ids[index] = _draw(_truncated_probs(x[index], rest_rows), rest_rows)
+    return token_ids
+
+
+# The logits a top-p nucleus is looked for among before the full sort: at a small temperature (the generation
+# configs' 0.2-0.7) a nucleus of p = 0.9 is a handful of tokens, and ``topk`` of 64 costs a fraction of sorting a
+# 49k vocabulary (tests/worker/test_sampler.py's nucleus tests; the sampler's cost per step is in perf mode).
+NUCLEUS_CANDIDATES = 64
+
+
+def _nucleus_draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p sampling (HF semantics: the smallest set of the most likely tokens whose mass reaches p) from the
+    ``NUCLEUS_CANDIDATES`` highest logits, by ``_draw``'s exponential race over the candidates only: one Exp(1)
+    draw per candidate rank from the row's seeded generator (independent of the values, so each token's chance is
+    still its share of the nucleus; drawing over the whole vocabulary costs about a millisecond a row). Returns the
+    tokens and, per row, whether its nucleus lay among the candidates (the others need the full sort)."""
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=x.dtype, device=x.device)
+    x = x / temperature.unsqueeze(1)
+    logprobs, candidates = torch.log_softmax(x, dim=-1).topk(NUCLEUS_CANDIDATES, dim=-1)  # largest first
+    probs = logprobs.exp()
+    above = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than each
+    top_p = torch.tensor([row.params.top_p for row in rows], dtype=x.dtype, device=x.device).unsqueeze(1)
+    keep = above < top_p
+    keep[:, 0] = True  # always the most likely token
+    found = (above[:, -1] + probs[:, -1]) >= top_p.squeeze(1)  # the candidates' mass reaches p
+    noise = _noise(rows, NUCLEUS_CANDIDATES, x.dtype, x.device)
+    choice = (probs.masked_fill(~keep, 0.0) / noise).argmax(dim=-1, keepdim=True)
+    return candidates.gather(1, choice).squeeze(1), found
 
 
 def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -215,14 +264,18 @@ def _truncated_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
 
 def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """One draw per row by the exponential race argmax(p / Exp(1)), each row with its own seeded generator."""
-    noise = torch.empty_like(probs)
+    return fast_argmax(probs / _noise(rows, probs.shape[1], probs.dtype, probs.device))
+
+
+def _noise(rows: Sequence[SamplingRow], size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Each row's ``size`` Exp(1) draws, from its own generator seeded by its seed and output index."""
+    noise = torch.empty((len(rows), size), dtype=dtype, device=device)
     for i, row in enumerate(rows):
-        generator = torch.Generator(device=probs.device)
+        generator = torch.Generator(device=device)
         generator.manual_seed(generator_seed(row.seed, row.num_output_tokens))
         noise[i].exponential_(generator=generator)
     # A zero draw would turn 0 / 0 into NaN, which argmax would pick.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return fast_argmax(probs / noise)
+    return noise.clamp_min_(torch.finfo(dtype).tiny)
 
 
 def _top_logprobs(

@@ -332,3 +332,60 @@ def test_rows_asking_more_than_greedy_take_the_exact_path():
                  [row(temperature=0.0), row(temperature=0.0, repetition_penalty=1.3, prompt=[1]), row(temperature=0.0)]):
         out = fast_sampler(logits, rows)
         assert out.logprobs == [raw[i, t].item() for i, t in enumerate(out.token_ids)]  # exactly torch's
+
+
+def _nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> dict[int, float]:
+    """HF's top-p set of one row and each member's share of it."""
+    probs, ids = (logits / temperature).softmax(-1).sort(descending=True)
+    size = int((probs.cumsum(0) - probs < top_p).sum())
+    kept = probs[:size] / probs[:size].sum()
+    return dict(zip(ids[:size].tolist(), kept.tolist(), strict=True))
+
+
+def test_top_p_on_a_large_vocabulary_draws_each_nucleus_token_at_its_share(monkeypatch):
+    """A sharp row over 1,000 tokens: its nucleus lies among the highest logits, so the full sort never runs, and
+    the draws follow the nucleus's renormalised probabilities."""
+    import ksana.worker.sampler as sampler_module
+
+    def no_sort(*args):
+        raise AssertionError("the full sort ran")
+
+    monkeypatch.setattr(sampler_module, "_truncated_probs", no_sort)
+    logits = torch.full((1, 1000), -5.0)
+    logits[0, [7, 500, 999, 31, 64]] = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5])
+    expected = _nucleus(logits[0], 0.7, 0.9)
+    assert 2 <= len(expected) < 5
+    num_draws = 3000
+    counts = Counter(sampler(logits, [row(seed=9, num_output_tokens=n, temperature=0.7, top_p=0.9)]).token_ids[0]
+                     for n in range(num_draws))
+    assert set(counts) <= set(expected)
+    for token, p in expected.items():
+        assert abs(counts[token] / num_draws - p) < 4.5 * math.sqrt(p * (1 - p) / num_draws), (token, counts, p)
+
+
+def test_a_nucleus_wider_than_the_candidates_takes_the_full_sort(monkeypatch):
+    import ksana.worker.sampler as sampler_module
+
+    calls = []
+    full_sort = sampler_module._truncated_probs
+    monkeypatch.setattr(sampler_module, "_truncated_probs", lambda x, rows: calls.append(len(rows)) or full_sort(x, rows))
+    logits = torch.linspace(0.0, 0.5, 1000).unsqueeze(0)  # nearly flat: p = 0.5 takes about 450 tokens
+    expected = _nucleus(logits[0], 1.0, 0.5)
+    assert len(expected) > sampler_module.NUCLEUS_CANDIDATES
+    picked = {sampler(logits, [row(seed=s, temperature=1.0, top_p=0.5)]).token_ids[0] for s in range(200)}
+    assert picked <= set(expected) and len(picked) > 50
+    assert calls == [1] * 200
+
+
+def test_nucleus_rows_and_others_in_one_batch_keep_their_own_rules():
+    logits = random_logits(4, vocab=2000, seed=3)
+    for step in range(50):
+        rows = [row(seed=1, num_output_tokens=step, temperature=0.3, top_p=0.8),
+                row(seed=2, num_output_tokens=step, temperature=1.0, top_k=4),
+                row(seed=3, num_output_tokens=step, temperature=0.0),
+                row(seed=4, num_output_tokens=step, temperature=2.0, top_p=0.95)]
+        out = sampler(logits, rows)
+        assert out.token_ids[0] in _nucleus(logits[0], 0.3, 0.8)
+        assert out.token_ids[1] in logits[1].topk(4).indices.tolist()
+        assert out.token_ids[2] == int(logits[2].argmax())
+        assert out.token_ids[3] in _nucleus(logits[3], 2.0, 0.95)
