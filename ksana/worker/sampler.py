@@ -167,9 +167,10 @@ def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     return token_ids
 
 
-# The logits a top-p nucleus is looked for among before the full sort: at a small temperature (the generation
-# configs' 0.2-0.7) a nucleus of p = 0.9 is a handful of tokens, and ``topk`` of 64 costs a fraction of sorting a
-# 49k vocabulary (tests/worker/test_sampler.py's nucleus tests; the sampler's cost per step is in perf mode).
+# The logits a top-p nucleus is looked for among before the full sort. At the temperatures generation configs
+# set (0.2-0.7) a nucleus of p = 0.9 is a handful of tokens; 64 leaves room for flatter rows, and a topk of 64 is
+# a small part of sorting a 49k vocabulary, which cost more than the forward pass at 32 rows (seen as TPOT under
+# ``bench/vs_vllm.py``, whose client samples with the model's defaults).
 NUCLEUS_CANDIDATES = 64
 
 
