@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from ksana.kernels.attention_metadata import AttentionMetadata
+from ksana.models.parallel import Shard
 from ksana.models.shape import ModelShape
 
 
@@ -72,6 +73,30 @@ class CausalLM(torch.nn.Module):
     def ignored_weight_names(self) -> frozenset[str]:
         """Checkpoint tensors that are expected but unused (e.g. a tied ``lm_head.weight``)."""
         return frozenset()
+
+    def stack_weight_slots(self) -> dict[str, WeightSlot]:
+        """The slots of a Hugging Face decoder stack: the vocabulary-parallel embedding (and untied head), each of
+        ``self.layers`` under ``model.layers.{i}``, the final norm. For families that hold ``embed_weight``,
+        ``layers``, ``norm_weight``, ``lm_head_weight``, ``tied``, ``tp`` and ``num_vocab_rows``."""
+        rows = None if self.tp is None else self.num_vocab_rows
+        slots = {"model.embed_tokens.weight": WeightSlot(self.embed_weight, 0, rows)}
+        for i, layer in enumerate(self.layers):
+            slots |= layer.weight_slots(f"model.layers.{i}")
+        slots["model.norm.weight"] = WeightSlot(self.norm_weight)
+        if not self.tied:
+            slots["lm_head.weight"] = WeightSlot(self.lm_head_weight, 0, rows)
+        return slots
+
+    def stack_weight_shards(self) -> dict[str, Shard]:
+        """This tensor-parallel rank's parts of ``stack_weight_slots``' tensors (none without tensor parallelism):
+        its rows of the embedding and head, and each layer's own shards."""
+        if self.tp is None:
+            return {}
+        vocab = Shard(0, self.vocab_start, self.num_vocab_rows)
+        shards = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
+        for i, layer in enumerate(self.layers):
+            shards |= layer.weight_shards(f"model.layers.{i}")
+        return shards
 
     def fill_missing_weights(self, missing: set[str]) -> set[str]:
         """Given the slots the checkpoint did not fill, stand in for those the model can do without (an optional

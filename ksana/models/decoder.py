@@ -343,24 +343,11 @@ class DecoderForCausalLM(CausalLM):
         raise NotImplementedError
 
     def weight_slots(self) -> dict[str, WeightSlot]:
-        rows = None if self.tp is None else self.num_vocab_rows
-        slots = {"model.embed_tokens.weight": WeightSlot(self.embed_weight, 0, rows)}
-        for i, layer in enumerate(self.layers):
-            slots |= layer.weight_slots(f"model.layers.{i}")
-        slots["model.norm.weight"] = WeightSlot(self.norm_weight)
-        if not self.tied:
-            slots["lm_head.weight"] = WeightSlot(self.lm_head_weight, 0, rows)
-        return slots
+        return self.stack_weight_slots()
 
     def weight_shards(self) -> dict[str, Shard]:
         """Checkpoint tensor name -> the part this tensor-parallel rank reads; tensors not named are whole."""
-        if self.tp is None:
-            return {}
-        vocab = Shard(0, self.vocab_start, self.num_vocab_rows)
-        shards = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
-        for i, layer in enumerate(self.layers):
-            shards |= layer.weight_shards(f"model.layers.{i}")
-        return shards
+        return self.stack_weight_shards()
 
     def ignored_weight_names(self) -> frozenset[str]:
         names = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(self.shape.num_layers)}

@@ -210,27 +210,18 @@ class DeepseekV3ForCausalLM(CausalLM):
         return f"model.layers.{self.shape.num_layers + index}"
 
     def weight_slots(self) -> dict[str, WeightSlot]:
-        rows = None if self.tp is None else self.num_vocab_rows
-        slots = {"model.embed_tokens.weight": WeightSlot(self.embed_weight, 0, rows)}
-        for i, layer in enumerate(self.layers):
-            slots |= layer.weight_slots(f"model.layers.{i}")
-        slots["model.norm.weight"] = WeightSlot(self.norm_weight)
-        if not self.tied:
-            slots["lm_head.weight"] = WeightSlot(self.lm_head_weight, 0, rows)
+        slots = self.stack_weight_slots()
         for i, layer in enumerate(self.mtp_layers):
             slots |= layer.weight_slots(self._mtp_prefix(i))
         return slots
 
     def weight_shards(self) -> dict[str, Shard]:
         """Checkpoint tensor name -> the part this tensor-parallel rank reads; tensors not named are whole."""
+        shards = self.stack_weight_shards()
         if self.tp is None:
-            return {}
-        vocab = Shard(0, self.vocab_start, self.num_vocab_rows)
-        shards = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
-        for i, layer in enumerate(self.layers):
-            shards |= layer.weight_shards(f"model.layers.{i}")
+            return shards
         for i, layer in enumerate(self.mtp_layers):
-            shards |= layer.weight_shards(self._mtp_prefix(i), vocab)
+            shards |= layer.weight_shards(self._mtp_prefix(i), shards["lm_head.weight"])
         return shards
 
     def ignored_weight_names(self) -> frozenset[str]:
