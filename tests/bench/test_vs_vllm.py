@@ -56,3 +56,34 @@ def test_the_readme_row_holds_throughput_and_latency_to_the_target(vs_vllm, tabl
     (_, _, _, met), = tables.vs_vllm_rows(report(vs_vllm, side(300.0, 200.0, 20.0), side(200.0, 150.0, 30.0)))
     assert met == "**no**"  # faster, but its first tokens come later
     assert tables.benchmark_of(Path("vs_vllm_zen3.json")) == "vs_vllm"
+
+
+def test_each_workload_draws_its_own_prompts(vs_vllm, tmp_path):
+    """One seed for all would resend the earlier rate workloads' prompts, which vLLM's prefix cache then skips."""
+    server = SimpleNamespace(url="http://127.0.0.1:1234", model_id="smollm2")
+    seeds = []
+    for workload in vs_vllm.WORKLOADS.values():
+        command = vs_vllm.client_command(Path("/peer/python"), server, "/m", workload, 7, tmp_path, "r.json")
+        seeds.append(int(command[command.index("--seed") + 1]))
+    assert len(set(seeds)) == len(seeds) and min(seeds) == 7
+
+
+def test_the_offline_comparison_has_its_own_row_and_target(vs_vllm, tables):
+    full = report(vs_vllm, side(300.0, 100.0, 20.0), side(200.0, 150.0, 30.0))
+    full["offline_workload"] = {**vs_vllm.WORKLOAD, "passes": 2}
+    ksana = {"output_tok_s": 330.0, "pass_seconds": [1.0, 1.1]}
+    full["offline"] = {"float32": {"ksana": ksana, "vllm": {"output_tok_s": 200.0}, "ratio": 1.65},
+                       "bfloat16": {"ksana": ksana, "vllm": {"output_tok_s": 300.0}, "ratio": 1.1}}
+    assert "float32   offline       330.0 / 200.0   1.65" in vs_vllm.format_report(full)
+    rows = list(tables.vs_vllm_rows(full))[1:]
+    assert "64 prompts of 32-256 tokens, 64-512 out" in rows[0][0] and "`LLM.generate`" in rows[0][0]
+    assert rows[0][1].startswith("**1.65x** (330.0 / 200.0 tok/s, best of 2 passes")
+    assert [met for *_, met in rows] == ["yes", "**no**"]
+
+
+def test_the_report_records_the_step_shape_ksana_served_with(vs_vllm):
+    from ksana.config import BatchSchedulerSetting
+
+    settings = vs_vllm.ksana_scheduler_defaults()
+    assert settings["max_step_tokens"] == BatchSchedulerSetting().max_step_tokens
+    assert set(settings) == {"max_batch_size", "max_step_tokens", "split_fuse_token_num", "async_scheduling"}
