@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from ksana.config import BatchSchedulerSetting
 from ksana.config_flags import add_config_flags, config_overrides
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
@@ -103,8 +104,8 @@ def add_simulate_parser(subparsers) -> None:
 
     sweep = sub.add_parser("sweep", help="write a profiling batch_config.json covering what serving produces")
     sweep.add_argument("--out", default="sweep_batch_config.json")
-    sweep.add_argument("--max-batch-size", type=int, default=64)
-    sweep.add_argument("--max-step-tokens", type=int, default=4096)
+    sweep.add_argument("--max-batch-size", type=int, default=BatchSchedulerSetting().max_batch_size)
+    sweep.add_argument("--max-step-tokens", type=int, default=BatchSchedulerSetting().max_step_tokens)
     sweep.add_argument("--split-fuse-token-num", type=int, default=0)
     sweep.add_argument("--max-context", type=int, default=2048, help="longest sequence to profile")
     sweep.set_defaults(func=_cmd_sweep)
