@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "ksana_cpu.c"  # the C kernels (the A/B tools build other revisions of it)
-CXX_SOURCES = (HERE / "norms.cpp",)  # the kernels ported to C++ over vec.h's lanes
+CXX_SOURCES = (HERE / "norms.cpp", HERE / "sampling.cpp")  # the kernels ported to C++ over vec.h's lanes
 HEADERS = (HERE / "vec.h", HERE / "parallel.h")
 REGISTRATION = HERE / "registration.cpp"
 LIBRARY_NAME = "libksana_cpu.so"

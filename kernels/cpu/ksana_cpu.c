@@ -696,54 +696,6 @@ static inline __m256 fold16(__m512 a) {
 DEFINE_DECODE_AVX512(f32, float)
 DEFINE_DECODE_AVX512(bf16, bf16_t)
 
-/* greedy_logprobs' two passes, 64 and 32 values a step (n a multiple of 64, resp. 16). The first: the maximum, the
- * first index holding it (0 when every value is -inf) and whether a NaN was seen; four independent chains, so the
- * compare-blend latency does not pace the loop. */
-static void greedy_max_avx512(const float *x, int64_t n, float *max_out, int64_t *id_out, int *nan_out) {
-    __m512 vmax[4];
-    __m512i vidx[4], cur[4];
-    __mmask16 nan = 0;
-    const __m512i step = _mm512_set1_epi32(64);
-    for (int c = 0; c < 4; c++) {
-        vmax[c] = _mm512_set1_ps(-INFINITY);
-        vidx[c] = _mm512_setzero_si512();
-        cur[c] = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                  _mm512_set1_epi32(16 * c));
-    }
-    for (int64_t i = 0; i < n; i += 64)
-        for (int c = 0; c < 4; c++) {
-            __m512 v = _mm512_loadu_ps(x + i + 16 * c);
-            __mmask16 gt = _mm512_cmp_ps_mask(v, vmax[c], _CMP_GT_OQ);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            vmax[c] = _mm512_mask_mov_ps(vmax[c], gt, v);
-            vidx[c] = _mm512_mask_mov_epi32(vidx[c], gt, cur[c]);
-            cur[c] = _mm512_add_epi32(cur[c], step);
-        }
-    float lane_max[64];
-    int32_t lane_idx[64];
-    for (int c = 0; c < 4; c++) {
-        _mm512_storeu_ps(lane_max + 16 * c, vmax[c]);
-        _mm512_storeu_si512(lane_idx + 16 * c, vidx[c]);
-    }
-    float m = lane_max[0];
-    int64_t id = lane_idx[0];
-    for (int l = 1; l < 64; l++) /* lanes interleave indices: on a tie the smaller index is the first */
-        if (lane_max[l] > m || (lane_max[l] == m && lane_idx[l] < id)) m = lane_max[l], id = lane_idx[l];
-    *max_out = m;
-    *id_out = m == -INFINITY ? 0 : id;
-    *nan_out = nan != 0;
-}
-
-static float greedy_sum_exp_avx512(const float *x, int64_t n, float m) { /* sum(exp(x - m)) over [0, n) */
-    __m512 vm = _mm512_set1_ps(m), s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        s0 = _mm512_add_ps(s0, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm)));
-        s1 = _mm512_add_ps(s1, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), vm)));
-    }
-    for (; i < n; i += 16) s0 = _mm512_add_ps(s0, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm)));
-    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-}
 #pragma GCC pop_options
 #define DECODE_AVX512 1
 #define DECODE_TASK_AVX512(SUF) decode_task_avx512_##SUF
@@ -777,6 +729,8 @@ void rms_norm_row_bf16(const bf16_t *src, const bf16_t *add, bf16_t *residual_ou
                        int64_t dim, float eps);
 void rotary_token_f32(const float *x, const float *c, const float *s, float *out, int64_t nheads, int64_t dim);
 void rotary_token_bf16(const bf16_t *x, const bf16_t *c, const bf16_t *s, bf16_t *out, int64_t nheads, int64_t dim);
+/* Greedy sampling over float32 logits (sampling.cpp). */
+void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *ids, float *logprobs, int nthreads);
 
 /* The per-row and per-task bodies that both the ops and decode_layers run: kept out of line, so decode_layers
  * (compiled for AVX-512) runs the very code the ops run, with the same vectorised reductions and the same bits. */
@@ -1291,92 +1245,6 @@ int prefill_attention_available(void) { return 1; }
 void prefill_attention_f32(void) { abort(); }
 int prefill_attention_available(void) { return 0; }
 #endif
-
-/* Greedy sampling's two numbers per row of float32 logits, in two passes over the row and no [rows, vocab]
- * temporary: the index of the first maximum (as torch's argmax; a NaN counts as the maximum, the first one wins)
- * and log_softmax's value there, -log(sum(exp(x - max))) (NaN where log_softmax gives NaN: a NaN or an infinite
- * maximum). The sum's exp and order differ from torch's, so the log-probability agrees to float32 rounding. */
-void greedy_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t *ids, float *logprobs,
-                     int nthreads) {
-    _Pragma("omp parallel for num_threads(nthreads) if (rows * vocab >= 4 * PARALLEL_MIN_ELEMS)")
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = logits + r * vocab;
-        float m = -INFINITY;
-        int64_t id = 0, i = 0;
-        int has_nan = 0;
-#if defined(KSANA_AVX512)
-        if (vocab >= 64 && vocab < INT32_MAX) {
-            i = vocab / 64 * 64;
-            greedy_max_avx512(x, i, &m, &id, &has_nan);
-        }
-#elif defined(KSANA_AVX2)
-        if (vocab >= 32 && vocab < INT32_MAX) { /* four independent chains of 8 lanes, so the compare-blend
-                                                  * latency does not pace the loop */
-            __m256 vmax[4], vnan = _mm256_setzero_ps();
-            __m256i vidx[4], cur[4];
-            const __m256i step = _mm256_set1_epi32(32);
-            for (int c = 0; c < 4; c++) {
-                vmax[c] = _mm256_set1_ps(-INFINITY);
-                vidx[c] = _mm256_setzero_si256();
-                cur[c] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
-            }
-            for (; i + 32 <= vocab; i += 32)
-                for (int c = 0; c < 4; c++) {
-                    __m256 v = _mm256_loadu_ps(x + i + 8 * c);
-                    __m256 gt = _mm256_cmp_ps(v, vmax[c], _CMP_GT_OQ);
-                    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-                    vmax[c] = _mm256_blendv_ps(vmax[c], v, gt);
-                    vidx[c] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx[c]),
-                                                                   _mm256_castsi256_ps(cur[c]), gt));
-                    cur[c] = _mm256_add_epi32(cur[c], step);
-                }
-            has_nan = _mm256_movemask_ps(vnan) != 0;
-            float lane_max[32];
-            int32_t lane_idx[32];
-            for (int c = 0; c < 4; c++) {
-                _mm256_storeu_ps(lane_max + 8 * c, vmax[c]);
-                _mm256_storeu_si256((__m256i *)(lane_idx + 8 * c), vidx[c]);
-            }
-            id = lane_idx[0], m = lane_max[0];
-            for (int l = 1; l < 32; l++) /* lanes interleave indices: on a tie the smaller index is the first */
-                if (lane_max[l] > m || (lane_max[l] == m && lane_idx[l] < id)) m = lane_max[l], id = lane_idx[l];
-            if (m == -INFINITY) id = 0; /* no lane rose above -inf: every value so far is -inf */
-        }
-#endif
-        for (; i < vocab; i++) {
-            if (x[i] != x[i]) has_nan = 1;
-            else if (x[i] > m) m = x[i], id = i;
-        }
-        if (has_nan) {
-            for (id = 0; x[id] == x[id]; id++) {}
-            ids[r] = id;
-            logprobs[r] = NAN;
-            continue;
-        }
-        ids[r] = id;
-        if (!isfinite(m)) {
-            logprobs[r] = NAN;
-            continue;
-        }
-        float sum = 0.f;
-        i = 0;
-#if defined(KSANA_AVX512)
-        i = vocab / 16 * 16;
-        sum = greedy_sum_exp_avx512(x, i, m);
-#elif defined(KSANA_AVX2)
-        __m256 vsum = _mm256_setzero_ps(), vsum2 = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
-        for (; i + 16 <= vocab; i += 16) {
-            vsum = _mm256_add_ps(vsum, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
-            vsum2 = _mm256_add_ps(vsum2, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vm)));
-        }
-        for (; i + 8 <= vocab; i += 8)
-            vsum = _mm256_add_ps(vsum, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
-        sum = sum8(_mm256_add_ps(vsum, vsum2));
-#endif
-        for (; i < vocab; i++) sum += expf(x[i] - m);
-        logprobs[r] = -logf(sum);
-    }
-}
 
 /* ---- Linear layers over packed weights: out[M, N] = x[M, K] @ w[N, K]^T (+ bias) -------------------------------
  *

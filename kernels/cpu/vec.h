@@ -74,8 +74,23 @@ struct F32x8 {
         return {_mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
     }
     friend F32x8 operator+(F32x8 a, F32x8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+    friend F32x8 operator-(F32x8 a, F32x8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
     friend F32x8 operator*(F32x8 a, F32x8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
     friend F32x8 operator-(F32x8 a) { return {_mm256_xor_ps(a.v, _mm256_set1_ps(-0.0f))}; }
+    // a * b + c, rounded once.
+    static F32x8 fma(F32x8 a, F32x8 b, F32x8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+    // a > b ? a : b lane by lane (a NaN lane in either gives b's).
+    static F32x8 max(F32x8 a, F32x8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+    // Rounded to the nearest integer, ties to even.
+    F32x8 round_even() const { return {_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+    // 2^n for integral lanes n in [-126, 127].
+    F32x8 exp2_integral() const {
+        __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(127)), 23);
+        return {_mm256_castsi256_ps(e)};
+    }
+    // Bit i set where lane i is NaN; where lane i equals o's.
+    int nan_mask() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
+    int eq_mask(F32x8 o) const { return _mm256_movemask_ps(_mm256_cmp_ps(v, o.v, _CMP_EQ_OQ)); }
     // (v0 + v4 + v2 + v6) + (v1 + v5 + v3 + v7), in that tree.
     float sum() const {
         __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -139,9 +154,71 @@ struct F32x8 {
         for (int i = 0; i < 8; i++) a.v[i] = -a.v[i];
         return a;
     }
+    friend F32x8 operator-(F32x8 a, F32x8 b) {
+        for (int i = 0; i < 8; i++) a.v[i] -= b.v[i];
+        return a;
+    }
+    static F32x8 fma(F32x8 a, F32x8 b, F32x8 c) {
+        for (int i = 0; i < 8; i++) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+        return c;
+    }
+    static F32x8 max(F32x8 a, F32x8 b) {
+        for (int i = 0; i < 8; i++) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+        return a;
+    }
+    F32x8 round_even() const {  // under the default rounding mode, as the AVX2 path's explicit one
+        F32x8 r;
+        for (int i = 0; i < 8; i++) r.v[i] = std::nearbyint(v[i]);
+        return r;
+    }
+    F32x8 exp2_integral() const {
+        F32x8 r;
+        for (int i = 0; i < 8; i++) {
+            uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(v[i]) + 127) << 23;
+            std::memcpy(&r.v[i], &bits, 4);
+        }
+        return r;
+    }
+    int nan_mask() const {
+        int mask = 0;
+        for (int i = 0; i < 8; i++) mask |= (v[i] != v[i]) << i;
+        return mask;
+    }
+    int eq_mask(F32x8 o) const {
+        int mask = 0;
+        for (int i = 0; i < 8; i++) mask |= (v[i] == o.v[i]) << i;
+        return mask;
+    }
     float sum() const { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 };
 #endif
+
+// The largest lane (NaN-free lanes; exact in any order).
+inline float max_lane(F32x8 x) {
+    float lanes[8];
+    x.store(lanes);
+    float m = lanes[0];
+    for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+}
+
+// e^x for x <= 0 (softmax arguments): 2^n * e^r with n = round(x / ln 2), |r| <= ln2/2 (ln 2 in two parts, so r is
+// exact) and a degree-6 Taylor polynomial (about one ulp); arguments below -87 give (nearly) zero. The same
+// operations in the same order on every instruction set, so the same bits.
+inline F32x8 exp_nonpositive(F32x8 x) {
+    x = F32x8::max(x, F32x8::splat(-87.0f));
+    F32x8 n = (x * F32x8::splat(1.44269504f)).round_even();
+    F32x8 r = F32x8::fma(-n, F32x8::splat(0.693359375f), x);
+    r = F32x8::fma(-n, F32x8::splat(-2.12194440e-4f), r);
+    F32x8 p = F32x8::splat(1.0f / 720);
+    p = F32x8::fma(p, r, F32x8::splat(1.0f / 120));
+    p = F32x8::fma(p, r, F32x8::splat(1.0f / 24));
+    p = F32x8::fma(p, r, F32x8::splat(1.0f / 6));
+    p = F32x8::fma(p, r, F32x8::splat(0.5f));
+    p = F32x8::fma(p, r, F32x8::splat(1.0f));
+    p = F32x8::fma(p, r, F32x8::splat(1.0f));
+    return p * n.exp2_integral();
+}
 
 // Eight lanes of T as float32, and back: round<T> is round_bf16 for bfloat16, nothing for float32.
 template <typename T> inline F32x8 round_to(F32x8 x) { return x; }
