@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import httpx2  # noqa: E402
 import orjson  # noqa: E402
-from throughput import QUICK_WORKLOAD, WORKLOAD  # noqa: E402
+from throughput import QUICK_WORKLOAD, WORKLOAD, make_workload, run_ksana  # noqa: E402
 
 from ksana.bench.results import default_out, write_json  # noqa: E402
 from ksana.server.process import stop_process  # noqa: E402
@@ -196,8 +196,6 @@ def run_offline(model: str, model_dir: str, dtype: str, offline: dict[str, Any],
                 env: dict[str, str], seed: int) -> dict[str, Any]:
     """``throughput.py``'s workload through each engine's ``LLM.generate``: Ksana in this process, then vLLM in
     the peer venv (``peers/vllm_offline.py``); each engine's best of ``passes`` passes."""
-    from throughput import make_workload, run_ksana
-
     from ksana.tokenizer import load_tokenizer
 
     spec = {key: offline[key] for key in ("num_prompts", "input_range", "output_range")}
