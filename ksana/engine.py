@@ -28,6 +28,7 @@ from ksana.models.registry import load_model
 from ksana.models.shape import ModelShape
 from ksana.scheduler.batch_scheduler import BatchScheduler
 from ksana.scheduler.scheduler_actor import SchedulerActor
+from ksana.scheduler.step_log import StepLog
 from ksana.tokenizer import load_tokenizer
 from ksana.worker.fresh_thread import run_in_fresh_thread
 from ksana.worker.kv_cache import KVCache
@@ -128,11 +129,12 @@ def build_scheduling(config: KsanaConfig, layout: EngineLayout,
 
 
 def assemble_loop(scheduler: BatchScheduler, cache_manager: CacheManager, worker: Actor, io_actor: Actor,
-                  clock: Clock | None = None, trace_capacity: int | None = None) -> EventLoop:
+                  clock: Clock | None = None, trace_capacity: int | None = None,
+                  step_log: StepLog | None = None) -> EventLoop:
     """The one assembly of every product: the scheduler and cache-manager actors around the given state, the
     worker (real or simulated) and the I/O side (server, offline, perf backend or workload replayer)."""
     loop = EventLoop(clock=clock) if trace_capacity is None else EventLoop(clock=clock, trace_capacity=trace_capacity)
-    loop.register(SchedulerActor(scheduler))
+    loop.register(SchedulerActor(scheduler, step_log))
     loop.register(CacheManagerActor(cache_manager))
     loop.register(worker)
     loop.register(io_actor)
@@ -226,10 +228,11 @@ class InferenceEngine:
         if self.tp_runner is not None:
             self.tp_runner.close()
 
-    def build_loop(self, io_actor: Actor, clock: Clock | None = None, worker: Actor | None = None) -> EventLoop:
+    def build_loop(self, io_actor: Actor, clock: Clock | None = None, worker: Actor | None = None,
+                   step_log: StepLog | None = None) -> EventLoop:
         """A fresh loop with the engine's scheduler, cache manager and worker, and the given I/O actor."""
         worker = worker if worker is not None else WorkerActor(self.runner, self.forward_lane)
-        return assemble_loop(self.scheduler, self.cache_manager, worker, io_actor, clock)
+        return assemble_loop(self.scheduler, self.cache_manager, worker, io_actor, clock, step_log=step_log)
 
 
 def _eos_token_ids(tokenizer, shape) -> tuple[int, ...]:

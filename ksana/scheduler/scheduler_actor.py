@@ -42,6 +42,7 @@ from ksana.messages import (
     TokensOut,
 )
 from ksana.scheduler.batch_scheduler import BatchScheduler, SchedulerOutput
+from ksana.scheduler.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ logger = logging.getLogger(__name__)
 class SchedulerActor(Actor):
     name = "scheduler"
 
-    def __init__(self, scheduler: BatchScheduler) -> None:
+    def __init__(self, scheduler: BatchScheduler, step_log: StepLog | None = None) -> None:
         self.scheduler = scheduler
+        self.step_log = step_log
         self.max_steps_in_flight = 2 if scheduler.setting.plans_ahead else 1
         self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
         self._next_step_id = 0
@@ -123,6 +125,8 @@ class SchedulerActor(Actor):
         follows."""
         assert self._in_flight and msg.step_id == self._next_step_id - len(self._in_flight), "step result out of order"
         out = self._in_flight.popleft()
+        if self.step_log is not None:
+            self.step_log.finished(msg.step_id, msg.timings)
         deltas, finished = self.scheduler.update(out, msg.sampled, msg.prompt_logprobs)
         if msg.remote_loaded:
             self.scheduler.note_remote_loaded(msg.remote_loaded)
@@ -167,6 +171,8 @@ class SchedulerActor(Actor):
             self.scheduler.commit(out)
             self._next_step_id += 1
             self._in_flight.append(out)
+            if self.step_log is not None:
+                self.step_log.planned(plan)
             await self.send(ExecuteStep(plan))
         if self._pending_release:  # no plan to carry them: free them now (a step in flight is ordered before reuse)
             release = tuple(self._pending_release)

@@ -58,6 +58,9 @@ def add_serve_parser(subparsers) -> None:
                        help="sampling defaults for requests that leave them out: 'auto' (default) reads the model's "
                             "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                             "max_new_tokens), 'vllm' ignores it, a directory reads its generation_config.json")
+    serve.add_argument("--step-log", metavar="FILE",
+                       help="write one JSON line per step: its rows, when it was planned, ran and ended (what "
+                            "'ksana simulate calibrate' fits serving's costs from)")
     for name, kind in _EXTRA_CONFIG_FLAGS.items():
         serve.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
     serve.set_defaults(func=_cmd_serve)
@@ -78,7 +81,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     read_sampling_defaults(engine.model_dir, args.generation_config)  # a bad file is a CLI error, before serving
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                            api_key=args.api_key or None, loop_nice=args.loop_nice,
-                           stream_interval=args.stream_interval, generation_config=args.generation_config)
+                           stream_interval=args.stream_interval, generation_config=args.generation_config,
+                           step_log=args.step_log)
 
     def on_ready(ctx, url: str) -> None:
         print(f"Ksana serving {ctx.served_model_name} at {url}", flush=True)

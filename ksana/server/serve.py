@@ -22,6 +22,7 @@ from ksana.disagg.kv_connector import KVConnector
 from ksana.disagg.node import NodeAgent
 from ksana.engine import InferenceEngine
 from ksana.generation_config import read_sampling_defaults
+from ksana.scheduler.step_log import StepLog
 from ksana.server.app import build_app
 from ksana.server.context import ServerContext
 from ksana.server.io_actor import ServerIOActor
@@ -56,6 +57,7 @@ class ServeOptions:
     # Sampling defaults for requests that leave fields out (vLLM's ``--generation-config``): "auto" reads the model
     # directory's generation_config.json, "vllm" ignores it, another value is a directory to read it from.
     generation_config: str = "auto"
+    step_log: str | None = None  # a JSONL file of every step's shape and times (``ksana.scheduler.step_log``)
 
 
 def build_context(engine: InferenceEngine, options: ServeOptions) -> ServerContext:
@@ -104,7 +106,8 @@ async def serve(engine: InferenceEngine, options: ServeOptions,
     stop = trio.Event()
     agent = _node_agent(engine, options) if ctx.node_role != "none" else None
     ctx.kv_connector = agent.connector if agent is not None else None
-    loop = engine.build_loop(ctx.io)
+    step_log = StepLog(options.step_log) if options.step_log else None
+    loop = engine.build_loop(ctx.io, step_log=step_log)
     async with loop.running():
         if await lower_loop_priority(engine.forward_lane, options.loop_nice):
             logger.info("event loop thread at nice +%d", options.loop_nice)
@@ -123,6 +126,8 @@ async def serve(engine: InferenceEngine, options: ServeOptions,
                 nursery.start_soon(agent.run)
             if on_ready is not None:
                 on_ready(ctx, url)
+    if step_log is not None:
+        step_log.close()
     logger.info("server stopped")
 
 

@@ -1,0 +1,74 @@
+"""The step log: one JSON line per executed step, its shape and when it ran (``ksana serve --step-log FILE``).
+
+A serving step costs more than perf mode measures it alone: HTTP, the streams' events and the load generator share
+the cores. The log is what the simulator's calibration fits those costs from (``ksana simulate calibrate``), and
+what a person reads to see where a step's time went. Each line:
+
+    {"step_id": 7, "rows": [[new_tokens, context_after_step], ...], "planned_at": t, "started_at": t,
+     "finished_at": t, "result_at": t, "prepare_s": s, "forward_s": s, "sample_s": s}
+
+Times are ``time.monotonic()`` seconds: when the scheduler sent the plan, when the worker's thread began and ended
+the step, and when the scheduler had the result.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import IO
+
+import attrs
+import orjson
+
+from ksana.messages import StepPlan, StepTimings
+
+
+@attrs.frozen
+class LoggedStep:
+    step_id: int
+    rows: tuple[tuple[int, int], ...]
+    planned_at: float
+    started_at: float
+    finished_at: float
+    result_at: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+    def to_json(self) -> dict:
+        return {**attrs.asdict(self), "rows": [list(row) for row in self.rows]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> LoggedStep:
+        return cls(**{**data, "rows": tuple((int(q), int(c)) for q, c in data["rows"])})
+
+
+class StepLog:
+    """Writes a line when a step's result comes in; the plan's shape is kept from when it was sent."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: IO[bytes] = self.path.open("wb", buffering=0)  # a line per step survives a killed server
+        self._planned: dict[int, tuple[tuple[tuple[int, int], ...], float]] = {}
+
+    def planned(self, plan: StepPlan) -> None:
+        rows = tuple((row.num_new_tokens, row.seq_len) for row in plan.rows)
+        self._planned[plan.step_id] = (rows, time.monotonic())
+
+    def finished(self, step_id: int, timings: StepTimings) -> None:
+        rows, planned_at = self._planned.pop(step_id)
+        step = LoggedStep(step_id, rows, planned_at, timings.started_at, timings.finished_at, time.monotonic(),
+                          timings.prepare_s, timings.forward_s, timings.sample_s)
+        self._file.write(orjson.dumps(step.to_json()) + b"\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_step_log(path: str | Path) -> list[LoggedStep]:
+    with open(path, "rb") as f:
+        return [LoggedStep.from_json(orjson.loads(line)) for line in f if line.strip()]

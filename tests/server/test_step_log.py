@@ -1,0 +1,28 @@
+"""``ksana serve --step-log``: one line per step, whose shapes account for every token the requests computed."""
+
+from __future__ import annotations
+
+from ksana.scheduler.step_log import read_step_log
+from tests.server.conftest import ServerProcess
+
+
+def test_the_step_log_holds_every_step_with_its_shape_and_times(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    prompts = [[100 + i + j for j in range(9 + 5 * i)] for i in range(3)]
+    max_tokens = 6
+    server = ServerProcess("--model", "demo", "--dtype", "float32", "--step-log", str(path)).wait_ready()
+    try:
+        for prompt in prompts:
+            response = server.client.post("/v1/completions", json={
+                "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+    finally:
+        server.close()
+    steps = read_step_log(path)
+    # A request computes its prompt, then one token per step for every output token but the last.
+    assert sum(q for step in steps for q, _ in step.rows) == sum(len(p) + max_tokens - 1 for p in prompts)
+    assert sorted(c for step in steps for q, c in step.rows if q > 1) == sorted(len(p) for p in prompts)
+    assert [step.step_id for step in steps] == sorted(step.step_id for step in steps)
+    for step in steps:
+        assert step.planned_at <= step.started_at < step.finished_at <= step.result_at
+        assert 0 < step.forward_s <= step.duration_s
