@@ -150,7 +150,11 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
         figure = (f"simulated / measured, `{report['model']}`, {run['trace']}: {run['num_requests']} requests at "
                   f"{run['rate']:g}/s (burstiness {run['burstiness']:g}), {settings}; relative error")
         errors = ", ".join(f"{SIMULATOR_METRICS[k]} {v['rel_error']:.1%}" for k, v in run["metrics"].items())
-        yield (figure, f"**{run['max_rel_error']:.1%}** at most ({errors})",
+        diagnosis = ""
+        if "step_cost_ratio" in run:  # the served steps against the fit's prices, and the run's own step costs
+            diagnosis = (f"; the served steps took {run['step_cost_ratio']['all']:.2f}x the fit's prices; with this "
+                         f"run's own step costs {run['max_rel_error_with_served_steps']:.1%} at most")
+        yield (figure, f"**{run['max_rel_error']:.1%}** at most ({errors}){diagnosis}",
                *_at_most(run["max_rel_error"] * 100, target * 100, f"{target:.0%} each"))
 
 

@@ -162,6 +162,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe_serving(worker_ms: dict[str, Any] | None, request_ms: float) -> str:
+    """A calibration in one line: the served step's constant and per-row cost, its held-out error, the request's."""
+    if worker_ms is None:
+        return f"steps priced by perf mode, {request_ms:.0f} ms a request"
+    coef = dict(zip(worker_ms["features"], worker_ms["coef"], strict=True))
+    held_out = worker_ms["held_out_rel_error"]
+    return (f"steps as served: {coef['const']:.1f} ms + {coef['rows']:.2f} ms a row + the rest "
+            f"(held-out error mean {held_out['mean']:.1%}, p90 {held_out['p90']:.1%}), {request_ms:.0f} ms a request")
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from ksana.simulator.calibrate import calibrate
 
@@ -170,22 +180,23 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     fit, measured = calibrate(args.model, args.profile, args.config, config_overrides(args),
                               out.with_suffix(""))
-    print(f"serving: {fit.serving_step_ms:.1f} ms a step, {fit.serving_row_ms:.2f} ms a row, "
-          f"{fit.serving_request_ms:.0f} ms a request (probe: {measured['completed']} requests, {measured['output_throughput']:.1f} output tok/s)")
+    serving_worker = fit.serving_worker.to_json() if fit.serving_worker is not None else None
+    print(f"serving: {describe_serving(serving_worker, fit.serving_request_ms)} (probe: "
+          f"{measured['completed']} requests, {measured['output_throughput']:.1f} output tok/s)")
     print(f"wrote {fit.save(out)}")
     return 0
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from ksana.simulator.validate import format_table, validate
+    from ksana.simulator.validate import format_diagnosis, format_table, validate
 
     if args.model is None:
         raise ValueError("ksana simulate validate needs --model")
     report = validate(args.model, args.trace, args.profile, args.config, config_overrides(args), args.out,
                       seed=args.seed, progress=not args.no_progress, calibrate_first=not args.no_calibrate)
-    print(f"serving: {report['serving_step_ms']:.1f} ms a step, {report['serving_row_ms']:.2f} ms a row, "
-          f"{report['serving_request_ms']:.0f} ms a request")
+    print(f"serving: {describe_serving(report['serving_worker_ms'], report['serving_request_ms'])}")
     print(format_table(report["metrics"]))
+    print(format_diagnosis(report))
     print(f"wrote {args.out}")
     return 0
 

@@ -46,18 +46,17 @@ class LatencyFit:
     engine: FittedModel
     baseline: FittedModel  # DistServe's three terms on the worker's time, for comparison
     groups: dict[str, FittedModel]
-    # What a step costs more when serving than perf mode measured (``ksana simulate calibrate``): the streams'
-    # events (HTTP, the client) and hand-offs take the forward's cores for a while each step ...
-    serving_step_ms: float = 0.0
-    # ... and per row: a row's token is an event, an SSE chunk and a parse in the client, on the same cores.
-    serving_row_ms: float = 0.0
-    # ... and what a request costs before the engine sees it and after its first token (HTTP, the client).
+    # The worker's time per step as a server measured it (``ksana simulate calibrate``, from ``ksana serve
+    # --step-log``): serving runs the streams' events, HTTP and its clients on the forward's cores, and keeps the
+    # forward warm between steps, so its steps cost other than perf mode's; when present it prices the steps.
+    serving_worker: FittedModel | None = None
+    # What a request costs before the engine sees it and after its first token (HTTP, the client).
     serving_request_ms: float = 0.0
     calibration: dict[str, Any] | None = None
 
     def worker_s(self, shape: StepShape) -> float:
-        serving_ms = self.serving_step_ms + self.serving_row_ms * len(shape.rows)
-        return (max(0.0, self.worker.model.predict(shape.features())) + serving_ms) / 1000
+        model = self.serving_worker if self.serving_worker is not None else self.worker
+        return max(0.0, model.model.predict(shape.features())) / 1000
 
     def engine_s(self, shape: StepShape) -> float:
         return max(0.0, self.engine.model.predict(shape.features())) / 1000
@@ -67,7 +66,7 @@ class LatencyFit:
                 "provenance": self.provenance, "worker_ms": self.worker.to_json(),
                 "engine_ms": self.engine.to_json(), "baseline_worker_ms": self.baseline.to_json(),
                 "groups_ms": {name: model.to_json() for name, model in self.groups.items()},
-                "serving_step_ms": self.serving_step_ms, "serving_row_ms": self.serving_row_ms,
+                "serving_worker_ms": self.serving_worker.to_json() if self.serving_worker is not None else None,
                 "serving_request_ms": self.serving_request_ms,
                 "calibration": self.calibration}
 
@@ -86,8 +85,7 @@ class LatencyFit:
                        worker=_fitted(data["worker_ms"]), engine=_fitted(data["engine_ms"]),
                        baseline=_fitted(data["baseline_worker_ms"]),
                        groups={name: _fitted(g) for name, g in data["groups_ms"].items()},
-                       serving_step_ms=float(data.get("serving_step_ms", 0.0)),
-                       serving_row_ms=float(data.get("serving_row_ms", 0.0)),
+                       serving_worker=_fitted(data["serving_worker_ms"]) if data.get("serving_worker_ms") else None,
                        serving_request_ms=float(data.get("serving_request_ms", 0.0)),
                        calibration=data.get("calibration"))
         except (KeyError, TypeError) as error:
@@ -124,6 +122,11 @@ def fit_profile(profile: Profile) -> LatencyFit:
                           BASELINE_FEATURES, fitter=ols_relative),
         groups=groups,
     )
+
+
+def fit_steps(shapes: Sequence[StepShape], worker_ms: Sequence[float]) -> FittedModel:
+    """The worker's time per step fitted on steps a server ran (the step log's), with its held-out error."""
+    return _fit_one(feature_matrix(shapes), list(worker_ms), FEATURES)
 
 
 def load_fit(path: str | Path) -> LatencyFit:

@@ -2,16 +2,23 @@
 
 It profiles the model when no profile is given (a sweep of the steps this configuration can make, replayed by perf
 mode on the serving path: operator timing off, so an all-decode step runs fused as it does when serving), serves
-the model with ``ksana serve``, replays the trace against it with the load generator, simulates the same trace
-with the same settings and the server's own KV pool size, and sets the two side by side.
+the model with ``ksana serve --step-log``, replays the trace against it with the load generator, simulates the
+same trace with the same settings and the server's own KV pool size, and sets the two side by side.
+
+The server's step log splits what is left into its two causes. ``step_cost_ratio`` is how long the served steps
+took against what the fit predicts for them (on a shared machine the same step's cost moves from one minute to
+the next); ``metrics_with_served_steps`` simulates the trace again with step costs fitted on this run's own log,
+so its errors are the scheduler's and the request costs', not the step prices'.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
+import attrs
 import orjson
 
 from ksana.bench.trace import TraceRequest, read_trace
@@ -42,6 +49,14 @@ def format_table(metrics: dict[str, dict[str, float]]) -> str:
     lines += [f"{name:<26}{row['measured']:>12.2f}{row['simulated']:>12.2f}{row['rel_error']:>10.1%}"
               for name, row in metrics.items()]
     return "\n".join(lines)
+
+
+def format_diagnosis(report: dict[str, Any]) -> str:
+    """The step-cost ratio and the table simulated with the run's own step costs."""
+    ratio = report["step_cost_ratio"]
+    return (f"served steps took {ratio['all']:.2f}x the fit's prices (median of {ratio['num_steps']}; decode-only "
+            f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); simulated with this run's own step "
+            f"costs:\n" + format_table(report["metrics_with_served_steps"]))
 
 
 def server_flags(overrides: dict[str, Any], config_path: str | None) -> list[str]:
@@ -86,6 +101,21 @@ def profile_model(model: str, config_path: str | None, overrides: dict[str, Any]
     return fit.save(folder / "latency_fit.json")
 
 
+def step_cost_ratio(fit: Any, steps: list[Any]) -> dict[str, float | int]:
+    """The served steps' times over the fit's prices for them: the median over all steps, decode-only steps and
+    steps with a prefill."""
+    from ksana.simulator.features import StepShape
+
+    ratios: dict[str, list[float]] = {"all": [], "decode": [], "prefill": []}
+    for step in steps:
+        shape = StepShape(step.rows)
+        ratio = step.duration_s / max(fit.worker_s(shape), 1e-9)
+        ratios["all"].append(ratio)
+        ratios["prefill" if any(q > 1 for q, _ in step.rows) else "decode"].append(ratio)
+    return {**{key: statistics.median(values) if values else math.nan for key, values in ratios.items()},
+            "num_steps": len(steps)}
+
+
 def measure(model: str, flags: list[str], trace: Path, seed: int) -> tuple[dict[str, Any], int]:
     """Serve the model, replay the trace with the load generator; its summary and the server's KV pool size."""
     import httpx2
@@ -106,8 +136,10 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
              calibrate_first: bool = True) -> dict[str, Any]:
     """Profile (when no profile is given) and calibrate (when the fit has no serving calibration and
     ``calibrate_first``), then measure and simulate ``trace``; writes and returns the comparison."""
+    from ksana.scheduler.step_log import read_step_log
     from ksana.simulator.calibrate import calibrate
-    from ksana.simulator.fit import load_fit
+    from ksana.simulator.features import StepShape
+    from ksana.simulator.fit import fit_steps, load_fit
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
 
@@ -121,16 +153,28 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
         fit, _probe = calibrate(model, profile, config_path, overrides, folder, seed)
         profile = fit.save(folder / "latency_fit_calibrated.json")
     setup = prepare(model, config_path, overrides, profile)  # checks the fit before the server starts
-    measured, num_blocks = measure(model, server_flags(overrides, config_path), trace, seed)
+    step_log = folder / "measured_steps.jsonl"
+    measured, num_blocks = measure(model, [*server_flags(overrides, config_path), "--step-log", str(step_log)],
+                                   trace, seed)
     setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
-    result = run_simulation(setup, requests, seed=seed, progress=progress, source=str(trace))
-    simulated = build_report(result.timelines, model=model, request_rate=math.inf, burstiness=1.0,
-                             dataset=str(trace), seed=seed, goodput=None, percentiles=PERCENTILES)
+
+    def simulate(setup_) -> dict[str, Any]:
+        result = run_simulation(setup_, requests, seed=seed, progress=progress, source=str(trace))
+        return build_report(result.timelines, model=model, request_rate=math.inf, burstiness=1.0,
+                            dataset=str(trace), seed=seed, goodput=None, percentiles=PERCENTILES)
+
+    simulated = simulate(setup)
     metrics = compare(measured, simulated)
+    steps = read_step_log(step_log)
+    served = fit_steps([StepShape(step.rows) for step in steps], [step.duration_s * 1000 for step in steps])
+    with_served_steps = simulate(attrs.evolve(setup, fit=attrs.evolve(setup.fit, serving_worker=served)))
     report = {"metrics": metrics, "trace": str(trace), "profile": str(profile), "model": model,
-              "serving_step_ms": setup.fit.serving_step_ms, "serving_row_ms": setup.fit.serving_row_ms,
+              "serving_worker_ms": (setup.fit.serving_worker.to_json() if setup.fit.serving_worker is not None
+                                    else None),
               "serving_request_ms": setup.fit.serving_request_ms,
               "settings": {k: v for k, v in overrides.items() if v is not None}, "num_blocks": num_blocks,
+              "step_cost_ratio": step_cost_ratio(setup.fit, steps),
+              "metrics_with_served_steps": compare(measured, with_served_steps),
               "measured": measured, "simulated": simulated}
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return report

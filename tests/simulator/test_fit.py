@@ -107,3 +107,21 @@ def test_a_real_perf_run_of_the_demo_model_fits(tmp_path):
     assert all(c >= 0 for c in fit.worker.model.coef)
     assert fit.worker.model.predict(StepShape(((256, 256),)).features()) > fit.worker.model.predict(
         StepShape(((1, 256),)).features())
+
+
+def test_steps_from_a_servers_step_log_fit_their_law_with_a_per_row_cost():
+    """``fit_steps`` (the calibration's fit of a probe's step log): 1.5 ms a row more than LAW, which perf mode's
+    steps alone would not show, is recovered from mixed and decode steps like a server's."""
+    from ksana.simulator.fit import fit_steps
+
+    law = (*LAW[:-1], 1.5)
+    rng = random.Random(3)
+    shapes = []
+    for _ in range(300):
+        decodes = [(1, rng.randint(16, 900)) for _ in range(rng.randint(1, 40))]
+        prefill = [(q, q + rng.randint(0, 300)) for q in [rng.randint(16, 256)] if rng.random() < 0.3]
+        shapes.append(StepShape(tuple(decodes + prefill)))
+    worker_ms = [sum(c * x for c, x in zip(law, s.features(), strict=True)) for s in shapes]
+    fitted = fit_steps(shapes, worker_ms)
+    assert fitted.model.coef == pytest.approx(law, rel=1e-3, abs=1e-6)
+    assert fitted.held_out.max < 1e-3

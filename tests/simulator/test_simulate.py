@@ -8,7 +8,9 @@ import math
 import pytest
 
 from ksana.bench.trace import TraceError, TraceRequest
+from ksana.simulator.features import FEATURES
 from ksana.simulator.fit import check_identity
+from ksana.simulator.latency_model import LinearModel
 from ksana.simulator.profile import ProfileError
 from ksana.simulator.report import build_report
 from ksana.simulator.simulate import prepare, run_simulation
@@ -60,13 +62,16 @@ def test_async_scheduling_hides_the_engine_time_while_a_request_waits(tmp_path, 
     assert all(len(t.token_times_s) == 3 for t in result.timelines)
 
 
-def test_a_calibrated_fit_adds_its_serving_costs_to_every_step_and_request(tmp_path, identity):
-    """5 ms more a step and 2 ms a row; the first request reaches the engine 30 ms after its arrival, from which
-    its latencies count."""
-    setup = _setup(tmp_path, identity, serving_step_ms=5.0, serving_row_ms=2.0, serving_request_ms=30.0)
+def test_a_calibrated_fit_prices_steps_as_served_and_adds_the_request_cost(tmp_path, identity):
+    """The served steps' model (15 ms a step, 0.1 ms a prefill token, 2 ms a row) replaces perf mode's (10 ms a
+    step, 0.1 ms a prefill token); the first request reaches the engine 30 ms after its arrival, from which its
+    latencies count."""
+    served = LinearModel(FEATURES, (15.0, 0.1, 0.0, 0.0, 0.0, 0.0, 2.0))
+    setup = _setup(tmp_path, identity, serving_worker=served, serving_request_ms=30.0)
+    assert setup.fit.serving_worker.model == served  # through the saved fit's JSON
     result = run_simulation(setup, [TraceRequest(0.0, 100, 3), TraceRequest(0.0, 100, 3)], progress=False)
-    # the first prefill (10 + 10 + 5 + 2 ms); the second prefill, which came while it ran, beside its decode
-    # (10 + 10 + 5 + 2 x 2); both decodes (10 + 5 + 2 x 2); the second's last decode (10 + 5 + 2)
+    # the first prefill (15 + 10 + 2 ms); the second prefill, which came while it ran, beside its decode
+    # (15 + 10 + 2 x 2); both decodes (15 + 2 x 2); the second's last decode (15 + 2)
     assert [round(s.finished_at - s.started_at, 6) for s in result.steps] == [0.027, 0.029, 0.019, 0.017]
     assert _ms(result.timelines[0].token_times_s) == [57.0, 86.0, 105.0]
     assert _ms(result.timelines[1].token_times_s) == [86.0, 105.0, 122.0]

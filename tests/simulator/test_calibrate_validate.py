@@ -1,0 +1,57 @@
+"""Calibration and validation against a real ``ksana serve`` of the demo model, on small probes and traces: the
+served steps' log prices the steps, and ``validate`` separates the step prices from the scheduling."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from ksana.bench.trace import synthetic_trace, write_trace
+from ksana.scheduler.step_log import read_step_log
+from ksana.simulator.calibrate import REQUEST_MS, calibrate
+from ksana.simulator.features import StepShape
+from ksana.simulator.simulate import prepare
+from ksana.simulator.validate import METRICS, validate
+from tests.simulator.fits import linear_fit
+
+SMALL_PROBE = (
+    {"num": 3, "rate": 20.0, "input_len": (8, 32), "output_len": (4, 8), "burstiness": 1.0, "seed": 1},
+    {"num": 8, "rate": 50.0, "input_len": (16, 64), "output_len": (8, 16), "burstiness": 1.0, "seed": 2},
+)
+
+
+@pytest.fixture(scope="module")
+def slow_fit(tmp_path_factory):
+    """A fit for the demo model that prices every step at 10 ms, far above what the demo's steps cost."""
+    folder = tmp_path_factory.mktemp("fit")
+    linear_fit({}).save(folder / "blank.json")
+    shape = prepare("demo", None, {}, folder / "blank.json").shape
+    identity = {key: getattr(shape, key) for key in ("model_type", "hidden_size", "num_layers", "num_heads",
+                                                     "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")}
+    return linear_fit(identity | {"dtype": "float32", "device_type": "cpu"}).save(folder / "fit.json")
+
+
+def test_calibration_prices_steps_from_the_probes_step_log(tmp_path, slow_fit):
+    fit, measured = calibrate("demo", slow_fit, None, {"dtype": "float32"}, tmp_path, phases=SMALL_PROBE)
+    assert measured["completed"] == sum(p["num"] for p in SMALL_PROBE)
+    steps = read_step_log(fit.calibration["probe"]["step_log"])
+    assert fit.calibration["probe"]["num_steps"] == len(steps) > 0
+    assert fit.serving_request_ms in REQUEST_MS
+    assert all(c >= 0 for c in fit.serving_worker.model.coef)
+    # The slow fit's 10 ms a step is gone: the steps are priced as they ran (the fit minimises relative error, so
+    # the median step is where it matches; the demo's few slow steps, a collection or a first call, are not).
+    ratios = [step.duration_s / fit.worker_s(StepShape(step.rows)) for step in steps]
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.25)
+
+
+def test_validation_reports_the_step_prices_and_the_run_with_its_own_step_costs(tmp_path, slow_fit):
+    trace = write_trace(tmp_path / "trace.jsonl", synthetic_trace(8, 30.0, (8, 48), (4, 12), seed=5))
+    report = validate("demo", trace, slow_fit, None, {"dtype": "float32"}, tmp_path / "validation.json",
+                      progress=False, calibrate_first=False)
+    ratio = report["step_cost_ratio"]
+    assert ratio["num_steps"] == len(read_step_log(tmp_path / "validation" / "measured_steps.jsonl")) > 0
+    assert ratio["all"] < 1.0  # the demo's steps take well under the fit's 10 ms
+    assert set(report["metrics_with_served_steps"]) == {name for name, _ in METRICS}
+    with_fit, with_served = report["metrics"]["e2el_p50_ms"], report["metrics_with_served_steps"]["e2el_p50_ms"]
+    assert with_served["rel_error"] < with_fit["rel_error"]
