@@ -1,8 +1,8 @@
 """The step log: one JSON line per executed step, its shape and when it ran (``ksana serve --step-log FILE``).
 
-A serving step costs more than perf mode measures it alone: HTTP, the streams' events and the load generator share
-the cores. The log is what the simulator's calibration fits those costs from (``ksana simulate calibrate``), and
-what a person reads to see where a step's time went. Each line:
+A serving step does not cost what perf mode measures alone: HTTP, the streams' events and the load generator share
+the cores, and a steady run of steps keeps the forward warm. The log is what the simulator's calibration fits the
+served step costs from (``ksana simulate calibrate``), and what a person reads to see where a step's time went. Each line:
 
     {"step_id": 7, "rows": [[new_tokens, context_after_step], ...], "planned_at": t, "started_at": t,
      "finished_at": t, "result_at": t, "prepare_s": s, "forward_s": s, "sample_s": s}
