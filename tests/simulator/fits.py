@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ksana.simulator.features import BASELINE_FEATURES, FEATURES
 from ksana.simulator.fit import FittedModel, LatencyFit
 from ksana.simulator.latency_model import HeldOutError, LinearModel
@@ -20,3 +22,14 @@ def linear_fit(identity: dict, *, const_ms: float = 10.0, prefill_token_ms: floa
                       engine=FittedModel(engine, EXACT), baseline=FittedModel(baseline, EXACT), groups={},
                       serving_worker=FittedModel(serving_worker, EXACT) if serving_worker is not None else None,
                       serving_request_ms=serving_request_ms)
+
+
+def demo_identity(folder: Path) -> dict:
+    """The demo model's identity as a fit records it (float32 on the CPU): its shape, read by ``prepare``."""
+    from ksana.simulator.simulate import prepare
+
+    linear_fit({}).save(folder / "blank.json")
+    shape = prepare("demo", None, {}, folder / "blank.json").shape
+    keys = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+            "vocab_size")
+    return {key: getattr(shape, key) for key in keys} | {"dtype": "float32", "device_type": "cpu"}

@@ -11,9 +11,8 @@ from ksana.bench.trace import synthetic_trace, write_trace
 from ksana.scheduler.step_log import read_step_log
 from ksana.simulator.calibrate import REQUEST_MS, calibrate
 from ksana.simulator.features import StepShape
-from ksana.simulator.simulate import prepare
 from ksana.simulator.validate import METRICS, validate
-from tests.simulator.fits import linear_fit
+from tests.simulator.fits import demo_identity, linear_fit
 
 SMALL_PROBE = (
     {"num": 3, "rate": 20.0, "input_len": (8, 32), "output_len": (4, 8), "burstiness": 1.0, "seed": 1},
@@ -25,11 +24,7 @@ SMALL_PROBE = (
 def slow_fit(tmp_path_factory):
     """A fit for the demo model that prices every step at 10 ms, far above what the demo's steps cost."""
     folder = tmp_path_factory.mktemp("fit")
-    linear_fit({}).save(folder / "blank.json")
-    shape = prepare("demo", None, {}, folder / "blank.json").shape
-    identity = {key: getattr(shape, key) for key in ("model_type", "hidden_size", "num_layers", "num_heads",
-                                                     "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")}
-    return linear_fit(identity | {"dtype": "float32", "device_type": "cpu"}).save(folder / "fit.json")
+    return linear_fit(demo_identity(folder)).save(folder / "fit.json")
 
 
 def test_calibration_prices_steps_from_the_probes_step_log(tmp_path, slow_fit):

@@ -11,7 +11,7 @@ import pytest
 
 from ksana.bench.trace import TraceRequest, prompt_ids, read_trace, synthetic_trace, write_trace
 from ksana.simulator.sweep import sweep_batches
-from tests.simulator.fits import linear_fit
+from tests.simulator.fits import demo_identity, linear_fit
 
 
 @pytest.mark.parametrize("lines, message", [
@@ -81,15 +81,8 @@ def _ksana(*args, cwd):
 
 @pytest.fixture(scope="module")
 def demo_fit(tmp_path_factory):
-    from ksana.simulator.simulate import prepare
-
     folder = tmp_path_factory.mktemp("cli")
-    linear_fit({}).save(folder / "blank.json")
-    shape = prepare("demo", None, {}, folder / "blank.json").shape
-    identity = {key: getattr(shape, key) for key in ("model_type", "hidden_size", "num_layers", "num_heads",
-                                                     "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")}
-    return linear_fit(identity | {"dtype": "float32", "device_type": "cpu"}, decode_row_ms=0.1).save(
-        folder / "fit.json")
+    return linear_fit(demo_identity(folder), decode_row_ms=0.1).save(folder / "fit.json")
 
 
 def test_simulate_writes_the_load_generators_schema(tmp_path, demo_fit):
