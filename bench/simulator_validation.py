@@ -2,8 +2,8 @@
 with chunked prefill and a small KV pool (preemption). Each is ``ksana simulate validate``: serve the model, replay
 the trace with the load generator, simulate it with the same settings, compare.
 
-    python bench/simulator_validation.py                      # smollm2: profile, calibrate, three traces (~12 min)
-    python bench/simulator_validation.py --profile fit.json   # reuse a (calibrated) fit
+    python bench/simulator_validation.py                      # smollm2: profile, then calibrate and serve each trace (~16 min)
+    python bench/simulator_validation.py --profile fit.json   # reuse a fit (one already calibrated: for every trace)
     python bench/simulator_validation.py --quick              # the demo model, small traces
     python bench/simulator_validation.py --noise              # the measurement against itself (no simulation)
 
@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ksana.bench.results import machine_info, write_json  # noqa: E402
 from ksana.bench.trace import synthetic_trace, write_trace  # noqa: E402
+from ksana.simulator.fit import load_fit  # noqa: E402
 from ksana.simulator.validate import format_diagnosis, format_table, validate  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -67,12 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {num} requests at {rate}/s (burstiness {burstiness}), prompts {input_len}, outputs "
               f"{output_len}, settings {settings or 'default'}", flush=True)
         report = validate(model, trace, profile, None, settings, work / f"validation_{name}.json", progress=False)
-        profile = report["profile"]  # the first run's profile and calibration serve the others
+        # The first run's perf fit serves the others, calibrated again before each trace: a served step's cost on a
+        # shared machine drifts within minutes (the row's step-cost ratio), so each calibration runs just before
+        # its measurement. A fit given with --profile that is calibrated already serves every trace as it is.
+        if profile is None:
+            profile = work / f"validation_{name}" / "latency_fit.json"
         print(format_table(report["metrics"]), flush=True)
         print(format_diagnosis(report), flush=True)
         worst = max(row["rel_error"] for row in report["metrics"].values())
         runs.append({"trace": name, "num_requests": num, "rate": rate, "burstiness": burstiness,
                      "input_len": input_len, "output_len": output_len, "settings": settings,
+                     "profile": str(report["profile"]),
                      "num_blocks": report["num_blocks"], "serving_worker_ms": report["serving_worker_ms"],
                      "serving_request_ms": report["serving_request_ms"],
                      "total_preemptions_simulated": report["simulated"]["total_preemptions"],
@@ -82,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_rel_error_with_served_steps": max(row["rel_error"] for row in
                                                             report["metrics_with_served_steps"].values())})
     write_json({"model": model, "profile": str(profile), "target_rel_error": TARGET, "runs": runs,
+                "calibrated_per_trace": args.profile is None or load_fit(args.profile).calibration is None,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, out)
     return 0
 
