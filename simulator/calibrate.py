@@ -76,9 +76,7 @@ def calibrate(model: str, profile: str | Path, config_path: str | None, override
               phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> tuple[Any, dict[str, Any]]:
     """The fit with its ``serving_worker`` fitted on a probe's step log and its ``serving_request_ms`` matched to
     the probe's latencies; and the probe's report. ``phases``: the probe's (``PROBE_PHASES``)."""
-    from ksana.scheduler.step_log import read_step_log
-    from ksana.simulator.features import StepShape
-    from ksana.simulator.fit import fit_steps
+    from ksana.simulator.fit import fit_step_log
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
     from ksana.simulator.validate import measure, server_flags
@@ -88,10 +86,8 @@ def calibrate(model: str, profile: str | Path, config_path: str | None, override
     trace = write_trace(folder / "calibration_probe.jsonl", requests)
     step_log = folder / "calibration_steps.jsonl"
     prepare(model, config_path, overrides, profile)  # the fit must match the model before a server starts
-    measured, num_blocks = measure(model, [*server_flags(overrides, config_path), "--step-log", str(step_log)],
-                                   trace, seed)
-    steps = read_step_log(step_log)
-    serving_worker = fit_steps([StepShape(step.rows) for step in steps], [step.duration_s * 1000 for step in steps])
+    measured, num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
+    serving_worker, steps = fit_step_log(step_log)
     setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
     scores = {}
     for request_ms in tqdm(REQUEST_MS, desc="calibrating", unit="sim", leave=False):

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import orjson
 
+from ksana.scheduler.step_log import LoggedStep, read_step_log
 from ksana.simulator.features import BASELINE_FEATURES, FEATURES, StepShape, feature_matrix
 from ksana.simulator.latency_model import (
     HeldOutError,
@@ -127,6 +128,12 @@ def fit_profile(profile: Profile) -> LatencyFit:
 def fit_steps(shapes: Sequence[StepShape], worker_ms: Sequence[float]) -> FittedModel:
     """The worker's time per step fitted on steps a server ran (the step log's), with its held-out error."""
     return _fit_one(feature_matrix(shapes), list(worker_ms), FEATURES)
+
+
+def fit_step_log(path: str | Path) -> tuple[FittedModel, list[LoggedStep]]:
+    """``ksana serve --step-log``'s steps and the worker's time per step fitted on them."""
+    steps = read_step_log(path)
+    return fit_steps([StepShape(step.rows) for step in steps], [step.duration_s * 1000 for step in steps]), steps
 
 
 def load_fit(path: str | Path) -> LatencyFit:

@@ -116,14 +116,17 @@ def step_cost_ratio(fit: Any, steps: list[Any]) -> dict[str, float | int]:
             "num_steps": len(steps)}
 
 
-def measure(model: str, flags: list[str], trace: Path, seed: int) -> tuple[dict[str, Any], int]:
-    """Serve the model, replay the trace with the load generator; its summary and the server's KV pool size."""
+def measure(model: str, flags: list[str], trace: Path, seed: int,
+            step_log: Path | None = None) -> tuple[dict[str, Any], int]:
+    """Serve the model (writing its step log to ``step_log``, if given), replay the trace with the load generator;
+    its summary and the server's KV pool size."""
     import httpx2
     from prometheus_client.parser import text_string_to_metric_families
 
     from ksana.bench.serve import replay_trace
     from ksana.server.process import ServeProcess
 
+    flags = [*flags, "--step-log", str(step_log)] if step_log is not None else flags
     with ServeProcess("--model", model, *flags, startup_timeout_s=600) as server:
         metrics = httpx2.get(server.url + "/metrics", timeout=30).text
         num_blocks = next(int(s.value) for family in text_string_to_metric_families(metrics)
@@ -136,10 +139,8 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
              calibrate_first: bool = True) -> dict[str, Any]:
     """Profile (when no profile is given) and calibrate (when the fit has no serving calibration and
     ``calibrate_first``), then measure and simulate ``trace``; writes and returns the comparison."""
-    from ksana.scheduler.step_log import read_step_log
     from ksana.simulator.calibrate import calibrate
-    from ksana.simulator.features import StepShape
-    from ksana.simulator.fit import fit_steps, load_fit
+    from ksana.simulator.fit import fit_step_log, load_fit
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
 
@@ -154,8 +155,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
         profile = fit.save(folder / "latency_fit_calibrated.json")
     setup = prepare(model, config_path, overrides, profile)  # checks the fit before the server starts
     step_log = folder / "measured_steps.jsonl"
-    measured, num_blocks = measure(model, [*server_flags(overrides, config_path), "--step-log", str(step_log)],
-                                   trace, seed)
+    measured, num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
     setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
 
     def simulate(setup_) -> dict[str, Any]:
@@ -165,8 +165,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
 
     simulated = simulate(setup)
     metrics = compare(measured, simulated)
-    steps = read_step_log(step_log)
-    served = fit_steps([StepShape(step.rows) for step in steps], [step.duration_s * 1000 for step in steps])
+    served, steps = fit_step_log(step_log)
     with_served_steps = simulate(attrs.evolve(setup, fit=attrs.evolve(setup.fit, serving_worker=served)))
     report = {"metrics": metrics, "trace": str(trace), "profile": str(profile), "model": model,
               "serving_worker_ms": (setup.fit.serving_worker.to_json() if setup.fit.serving_worker is not None
