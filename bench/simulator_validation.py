@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                      "serving_request_ms": report["serving_request_ms"],
                      "total_preemptions_simulated": report["simulated"]["total_preemptions"],
                      "metrics": report["metrics"], "max_rel_error": worst, "met": worst <= TARGET,
-                     "step_cost_ratio": report["step_cost_ratio"],
+                     "step_cost_ratio": report["step_cost_ratio"], "request_cost_ms": report["request_cost_ms"],
                      "metrics_with_served_steps": report["metrics_with_served_steps"],
                      "max_rel_error_with_served_steps": max(row["rel_error"] for row in
                                                             report["metrics_with_served_steps"].values())})

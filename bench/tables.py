@@ -152,8 +152,12 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
         errors = ", ".join(f"{SIMULATOR_METRICS[k]} {v['rel_error']:.1%}" for k, v in run["metrics"].items())
         diagnosis = ""
         if "step_cost_ratio" in run:  # the served steps against the fit's prices, and the run's own step costs
-            diagnosis = (f"; the served steps took {run['step_cost_ratio']['all']:.2f}x the fit's prices; with this "
-                         f"run's own step costs {run['max_rel_error_with_served_steps']:.1%} at most")
+            request = run.get("request_cost_ms")
+            request_text = (f", a request {request['served']:.0f} ms outside the engine against the fit's "
+                            f"{request['fit']:.0f}") if request else ""
+            diagnosis = (f"; the served steps took {run['step_cost_ratio']['all']:.2f}x the fit's prices"
+                         f"{request_text}; with this run's own costs {run['max_rel_error_with_served_steps']:.1%} "
+                         "at most")
         yield (figure, f"**{run['max_rel_error']:.1%}** at most ({errors}){diagnosis}",
                *_at_most(run["max_rel_error"] * 100, target * 100, f"{target:.0%} each"))
 

@@ -9,22 +9,22 @@ probe trace of its own (not the trace to be predicted: a light phase, where step
 where they hold dozens beside prefills), and fits the worker's time per step on the logged steps, the same features
 and non-negative least squares as the perf fit (``serving_worker_ms`` in the fit, with its held-out error).
 
-Each request also spends time in HTTP handling and the client before the engine sees it. That one cost is found
-by simulating the probe over a range of it and keeping the value whose requests' latencies match best: the median
-over a phase's requests of |log(simulated / measured)| of E2EL, TTFT and TPOT, averaged over the two phases (so the
-burst's many requests do not outvote the light phase); ``serving_request_ms`` in the fit.
+Each request also spends time outside the engine: in HTTP handling and the client before the scheduler sees it,
+and after its first token until the client reads it. The step log says when the scheduler received each request
+and when its first step's result came, so that cost is measured, not searched for: the client's TTFT less the
+engine's, for each request whose first step computed its whole prompt. The light phase's median is
+``serving_request_ms`` in the fit (a request's own cost; in the burst the queue adds to both sides).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-from tqdm.auto import tqdm
 
 from ksana.bench.trace import TraceRequest, synthetic_trace, write_trace
 
@@ -35,7 +35,6 @@ PROBE_PHASES = (
     {"num": 48, "rate": 8.0, "input_len": (64, 512), "output_len": (64, 192), "burstiness": 1.0, "seed": 7920},
 )
 PROBE_GAP_S = 4.0  # between the light phase's last arrival and the burst's first
-REQUEST_MS = tuple(5.0 * i for i in range(9))  # 0 .. 40 ms
 
 
 def probe_trace(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[TraceRequest]:
@@ -54,55 +53,51 @@ def probe_phases(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[rang
     return [range(start, end) for start, end in zip([0, *bounds[:-1]], bounds, strict=True)]
 
 
-def mismatch(measured: dict[str, Any], simulated: dict[str, Any], phases: list[range] | None = None) -> float:
-    """The median over requests and over E2EL, TTFT and TPOT of |log(simulated / measured)|; with ``phases``, the
-    mean over the phases of each one's median."""
-    pairs = list(zip(measured["requests"], simulated["requests"], strict=True))
-    medians = []
-    for phase in phases or [range(len(pairs))]:
-        logs = []
-        for m, s in (pairs[i] for i in phase):
-            if not (m["success"] and s["success"]):
-                continue
-            for key in ("e2el", "ttft", "tpot"):
-                if m[key] and s[key]:
-                    logs.append(abs(math.log(s[key] / m[key])))
-        medians.append(statistics.median(logs) if logs else math.inf)
-    return statistics.fmean(medians)
+def request_costs_ms(measured: dict[str, Any], requests: Sequence[TraceRequest],
+                     steps: Sequence[Any]) -> list[float | None]:
+    """Per request, its client TTFT less its time in the engine up to its first token (from the scheduler's
+    receipt to its first step's result), where that step computed the whole prompt; None elsewhere. The step
+    log's arrivals are the trace's requests in arrival order, checked by prompt length."""
+    arrivals = sorted((at, step.rows[index], step.result_at) for step in steps for index, at in step.arrivals)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time_s)
+    costs: list[float | None] = [None] * len(requests)
+    for i, (arrived_at, (new_tokens, context), result_at) in zip(order, arrivals, strict=False):
+        result = measured["requests"][i]
+        if result["success"] and new_tokens == context == requests[i].prompt_len:
+            costs[i] = (result["ttft"] - (result_at - arrived_at)) * 1000
+    return costs
+
+
+def median_cost(costs: Sequence[float | None]) -> float | None:
+    known = [c for c in costs if c is not None]
+    return statistics.median(known) if known else None
 
 
 def calibrate(model: str, profile: str | Path, config_path: str | None, overrides: dict[str, Any],
               folder: Path, seed: int = 0,
               phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> tuple[Any, dict[str, Any]]:
-    """The fit with its ``serving_worker`` fitted on a probe's step log and its ``serving_request_ms`` matched to
-    the probe's latencies; and the probe's report. ``phases``: the probe's (``PROBE_PHASES``)."""
+    """The fit with its ``serving_worker`` fitted on a probe's step log and its ``serving_request_ms`` measured on
+    the probe's first tokens (the light phase's median); and the probe's report. ``phases``: the probe's (``PROBE_PHASES``)."""
     from ksana.simulator.fit import fit_step_log
-    from ksana.simulator.report import build_report
-    from ksana.simulator.simulate import prepare, run_simulation
+    from ksana.simulator.simulate import prepare
     from ksana.simulator.validate import measure, server_flags
 
     folder.mkdir(parents=True, exist_ok=True)
     requests = probe_trace(phases)
     trace = write_trace(folder / "calibration_probe.jsonl", requests)
     step_log = folder / "calibration_steps.jsonl"
-    prepare(model, config_path, overrides, profile)  # the fit must match the model before a server starts
-    measured, num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
+    setup = prepare(model, config_path, overrides, profile)  # the fit must match the model before a server starts
+    measured, _num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
     serving_worker, steps = fit_step_log(step_log)
-    setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
-    scores = {}
-    for request_ms in tqdm(REQUEST_MS, desc="calibrating", unit="sim", leave=False):
-        fit = attrs.evolve(setup.fit, serving_worker=serving_worker, serving_request_ms=request_ms)
-        result = run_simulation(attrs.evolve(setup, fit=fit), requests, seed=seed, progress=False,
-                                source=str(trace))
-        simulated = build_report(result.timelines, model=model, request_rate=math.inf, burstiness=1.0,
-                                 dataset=str(trace), seed=seed, goodput=None)
-        scores[request_ms] = mismatch(measured, simulated, probe_phases(phases))
-    best_request = min(scores, key=scores.get)
+    costs = request_costs_ms(measured, requests, steps)
+    by_phase = [{"median_ms": median_cost([costs[i] for i in phase]),
+                 "num_requests": sum(costs[i] is not None for i in phase)} for phase in probe_phases(phases)]
+    request_ms = next((p["median_ms"] for p in by_phase if p["median_ms"] is not None), 0.0)
     calibration = {"probe": {"phases": list(phases), "gap_s": PROBE_GAP_S, "trace": str(trace),
                              "step_log": str(step_log), "num_steps": len(steps)},
                    "settings": {k: v for k, v in overrides.items() if v is not None},
-                   "mismatch_by_request_ms": {f"{request:.0f}": score for request, score in scores.items()},
+                   "request_cost_ms_by_phase": by_phase,
                    "measured_output_throughput": measured["output_throughput"]}
-    fit = attrs.evolve(setup.fit, serving_worker=serving_worker, serving_request_ms=best_request,
+    fit = attrs.evolve(setup.fit, serving_worker=serving_worker, serving_request_ms=max(0.0, request_ms),
                        calibration=calibration)
     return fit, measured

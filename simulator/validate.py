@@ -7,8 +7,9 @@ same trace with the same settings and the server's own KV pool size, and sets th
 
 The server's step log splits what is left into its two causes. ``step_cost_ratio`` is how long the served steps
 took against what the fit predicts for them (on a shared machine the same step's cost moves from one minute to
-the next); ``metrics_with_served_steps`` simulates the trace again with step costs fitted on this run's own log,
-so its errors are the scheduler's and the request costs', not the step prices'.
+the next), and ``request_cost_ms`` is this run's own cost of a request outside the engine against the fit's;
+``metrics_with_served_steps`` simulates the trace again with the step costs fitted on this run's own log and its
+own request cost, so its errors are the scheduler's, not the prices'.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def format_table(metrics: dict[str, dict[str, float]]) -> str:
 
 
 def format_diagnosis(report: dict[str, Any]) -> str:
-    """The step-cost ratio and the table simulated with the run's own step costs."""
-    ratio = report["step_cost_ratio"]
+    """The step-cost ratio, the request costs and the table simulated with the run's own costs."""
+    ratio, request = report["step_cost_ratio"], report["request_cost_ms"]
     return (f"served steps took {ratio['all']:.2f}x the fit's prices (median of {ratio['num_steps']}; decode-only "
-            f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); simulated with this run's own step "
-            f"costs:\n" + format_table(report["metrics_with_served_steps"]))
+            f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); a request cost {request['served']:.1f} "
+            f"ms outside the engine (the fit: {request['fit']:.1f}); simulated with this run's own costs:\n"
+            + format_table(report["metrics_with_served_steps"]))
 
 
 def server_flags(overrides: dict[str, Any], config_path: str | None) -> list[str]:
@@ -139,7 +141,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
              calibrate_first: bool = True) -> dict[str, Any]:
     """Profile (when no profile is given) and calibrate (when the fit has no serving calibration and
     ``calibrate_first``), then measure and simulate ``trace``; writes and returns the comparison."""
-    from ksana.simulator.calibrate import calibrate
+    from ksana.simulator.calibrate import calibrate, median_cost, request_costs_ms
     from ksana.simulator.fit import fit_step_log, load_fit
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
@@ -166,13 +168,17 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     simulated = simulate(setup)
     metrics = compare(measured, simulated)
     served, steps = fit_step_log(step_log)
-    with_served_steps = simulate(attrs.evolve(setup, fit=attrs.evolve(setup.fit, serving_worker=served)))
+    request_ms = median_cost(request_costs_ms(measured, requests, steps))
+    own_request_ms = setup.fit.serving_request_ms if request_ms is None else max(0.0, request_ms)
+    with_served_steps = simulate(attrs.evolve(setup, fit=attrs.evolve(
+        setup.fit, serving_worker=served, serving_request_ms=own_request_ms)))
     report = {"metrics": metrics, "trace": str(trace), "profile": str(profile), "model": model,
               "serving_worker_ms": (setup.fit.serving_worker.to_json() if setup.fit.serving_worker is not None
                                     else None),
               "serving_request_ms": setup.fit.serving_request_ms,
               "settings": {k: v for k, v in overrides.items() if v is not None}, "num_blocks": num_blocks,
               "step_cost_ratio": step_cost_ratio(setup.fit, steps),
+              "request_cost_ms": {"fit": setup.fit.serving_request_ms, "served": own_request_ms},
               "metrics_with_served_steps": compare(measured, with_served_steps),
               "measured": measured, "simulated": simulated}
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

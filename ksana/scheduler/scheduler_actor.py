@@ -101,6 +101,8 @@ class SchedulerActor(Actor):
             rejection = self.scheduler.add_request(request)
             if rejection is not None:
                 rejections.append(rejection)
+            elif self.step_log is not None:
+                self.step_log.arrived(request.request_id)
         if rejections:
             await self.send(self._tokens_out(tuple(rejections)))
         await self._maybe_start_step()
@@ -111,6 +113,8 @@ class SchedulerActor(Actor):
         request = self.scheduler.abort_request(msg.request_id)
         if request is None:
             return
+        if self.step_log is not None:
+            self.step_log.discard(msg.request_id)
         logger.info("request %s aborted (%s)", msg.request_id, msg.reason)
         await self.send(FreeRequestBlocks((msg.request_id,)))
         delta = RequestDelta(request_id=msg.request_id, finish_reason=msg.reason,

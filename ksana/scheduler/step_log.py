@@ -5,10 +5,13 @@ the cores, and a steady run of steps keeps the forward warm. The log is what the
 served step costs from (``ksana simulate calibrate``), and what a person reads to see where a step's time went. Each line:
 
     {"step_id": 7, "rows": [[new_tokens, context_after_step], ...], "planned_at": t, "started_at": t,
-     "finished_at": t, "result_at": t, "prepare_s": s, "forward_s": s, "sample_s": s}
+     "finished_at": t, "result_at": t, "prepare_s": s, "forward_s": s, "sample_s": s,
+     "arrivals": [[row_index, arrived_at], ...]}
 
 Times are ``time.monotonic()`` seconds: when the scheduler sent the plan, when the worker's thread began and ended
-the step, and when the scheduler had the result.
+the step, and when the scheduler had the result. ``arrivals`` names the rows whose request is scheduled for the
+first time, with when the scheduler received it: a request's time in the engine up to its first token is then
+known, and what a client measures beyond that is the request's cost outside the engine (HTTP, the client).
 """
 
 from __future__ import annotations
@@ -34,17 +37,20 @@ class LoggedStep:
     prepare_s: float
     forward_s: float
     sample_s: float
+    arrivals: tuple[tuple[int, float], ...] = ()
 
     @property
     def duration_s(self) -> float:
         return self.finished_at - self.started_at
 
     def to_json(self) -> dict:
-        return {**attrs.asdict(self), "rows": [list(row) for row in self.rows]}
+        return {**attrs.asdict(self), "rows": [list(row) for row in self.rows],
+                "arrivals": [list(arrival) for arrival in self.arrivals]}
 
     @classmethod
     def from_json(cls, data: dict) -> LoggedStep:
-        return cls(**{**data, "rows": tuple((int(q), int(c)) for q, c in data["rows"])})
+        return cls(**{**data, "rows": tuple((int(q), int(c)) for q, c in data["rows"]),
+                      "arrivals": tuple((int(i), float(t)) for i, t in data.get("arrivals", ()))})
 
 
 class StepLog:
@@ -53,16 +59,26 @@ class StepLog:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._file: IO[bytes] = self.path.open("wb", buffering=0)  # a line per step survives a killed server
-        self._planned: dict[int, tuple[tuple[tuple[int, int], ...], float]] = {}
+        self._planned: dict[int, tuple[tuple[tuple[int, int], ...], float, tuple[tuple[int, float], ...]]] = {}
+        self._arrived: dict[str, float] = {}  # requests not yet in a plan
+
+    def arrived(self, request_id: str) -> None:
+        self._arrived[request_id] = time.monotonic()
+
+    def discard(self, request_id: str) -> None:
+        """A request that leaves before its first step (aborted)."""
+        self._arrived.pop(request_id, None)
 
     def planned(self, plan: StepPlan) -> None:
         rows = tuple((row.num_new_tokens, row.seq_len) for row in plan.rows)
-        self._planned[plan.step_id] = (rows, time.monotonic())
+        arrivals = tuple((index, self._arrived.pop(row.request_id)) for index, row in enumerate(plan.rows)
+                         if row.request_id in self._arrived)
+        self._planned[plan.step_id] = (rows, time.monotonic(), arrivals)
 
     def finished(self, step_id: int, timings: StepTimings) -> None:
-        rows, planned_at = self._planned.pop(step_id)
+        rows, planned_at, arrivals = self._planned.pop(step_id)
         step = LoggedStep(step_id, rows, planned_at, timings.started_at, timings.finished_at, time.monotonic(),
-                          timings.prepare_s, timings.forward_s, timings.sample_s)
+                          timings.prepare_s, timings.forward_s, timings.sample_s, arrivals)
         self._file.write(orjson.dumps(step.to_json()) + b"\n")
 
     def close(self) -> None:

@@ -26,3 +26,7 @@ def test_the_step_log_holds_every_step_with_its_shape_and_times(tmp_path):
     for step in steps:
         assert step.planned_at <= step.started_at < step.finished_at <= step.result_at
         assert 0 < step.forward_s <= step.duration_s
+    # Each request arrives once, in the step that begins its prompt, received before that step was planned.
+    arrivals = [(step, index, at) for step in steps for index, at in step.arrivals]
+    assert sorted(step.rows[index] for step, index, _ in arrivals) == sorted((len(p), len(p)) for p in prompts)
+    assert all(at <= step.planned_at for step, _, at in arrivals)

@@ -9,7 +9,7 @@ import pytest
 
 from ksana.bench.trace import synthetic_trace, write_trace
 from ksana.scheduler.step_log import read_step_log
-from ksana.simulator.calibrate import REQUEST_MS, calibrate
+from ksana.simulator.calibrate import calibrate
 from ksana.simulator.features import StepShape
 from ksana.simulator.validate import METRICS, validate
 from tests.simulator.fits import demo_identity, linear_fit
@@ -32,7 +32,10 @@ def test_calibration_prices_steps_from_the_probes_step_log(tmp_path, slow_fit):
     assert measured["completed"] == sum(p["num"] for p in SMALL_PROBE)
     steps = read_step_log(fit.calibration["probe"]["step_log"])
     assert fit.calibration["probe"]["num_steps"] == len(steps) > 0
-    assert fit.serving_request_ms in REQUEST_MS
+    # every probe request's prompt fits one step, so each has a measured cost outside the engine
+    by_phase = fit.calibration["request_cost_ms_by_phase"]
+    assert [p["num_requests"] for p in by_phase] == [p["num"] for p in SMALL_PROBE]
+    assert fit.serving_request_ms == max(0.0, by_phase[0]["median_ms"])
     assert all(c >= 0 for c in fit.serving_worker.model.coef)
     # The slow fit's 10 ms a step is gone: the steps are priced as they ran (the fit minimises relative error, so
     # the median step is where it matches; the demo's few slow steps, a collection or a first call, are not).
@@ -48,5 +51,6 @@ def test_validation_reports_the_step_prices_and_the_run_with_its_own_step_costs(
     assert ratio["num_steps"] == len(read_step_log(tmp_path / "validation" / "measured_steps.jsonl")) > 0
     assert ratio["all"] < 1.0  # the demo's steps take well under the fit's 10 ms
     assert set(report["metrics_with_served_steps"]) == {name for name, _ in METRICS}
+    assert report["request_cost_ms"]["fit"] == 0.0 and report["request_cost_ms"]["served"] >= 0.0
     with_fit, with_served = report["metrics"]["e2el_p50_ms"], report["metrics_with_served_steps"]["e2el_p50_ms"]
     assert with_served["rel_error"] < with_fit["rel_error"]

@@ -77,19 +77,30 @@ def test_a_calibrated_fit_prices_steps_as_served_and_adds_the_request_cost(tmp_p
     assert _ms(result.timelines[1].token_times_s) == [86.0, 105.0, 122.0]
 
 
-def test_calibration_scores_the_requests_median_log_error():
-    from ksana.simulator.calibrate import mismatch
+def test_a_requests_cost_outside_the_engine_is_its_client_ttft_less_the_engines():
+    from ksana.scheduler.step_log import LoggedStep
+    from ksana.simulator.calibrate import median_cost, request_costs_ms
 
-    measured = {"requests": [{"success": True, "e2el": 2.0, "ttft": 0.2, "tpot": 0.02}] * 3}
-    off = {"requests": [{"success": True, "e2el": 2.2, "ttft": 0.22, "tpot": 0.022}] * 3}
-    assert mismatch(measured, off) == pytest.approx(math.log(1.1))
-    assert mismatch(measured, measured) == 0.0
-    # by phase: the mean of each phase's median, so a large phase does not outvote a small one
-    mixed = {"requests": off["requests"][:1] + measured["requests"][1:]}
-    assert mismatch(measured, mixed) == 0.0
-    assert mismatch(measured, mixed, [range(0, 1), range(1, 3)]) == pytest.approx(math.log(1.1) / 2)
-    failed = {"requests": [{"success": False, "e2el": 0.0, "ttft": 0.0, "tpot": None}] * 3}
-    assert mismatch(measured, failed) == math.inf
+    def step(rows, arrivals, planned_at, result_at):
+        return LoggedStep(0, rows, planned_at, planned_at, result_at, result_at, 0.0, 0.0, 0.0, arrivals)
+
+    requests = [TraceRequest(0.0, 100, 4), TraceRequest(1.0, 50, 4), TraceRequest(2.0, 300, 4)]
+    # The first request reaches the scheduler at 10.01 and its prompt's step returns at 10.10; the second's prompt
+    # is computed beside a decode row; the third's first step is a chunk of its prompt, so its TTFT is not one step's.
+    steps = [step(((100, 100),), ((0, 10.01),), 10.02, 10.10),
+             step(((1, 101), (50, 50)), ((1, 11.02),), 11.03, 11.08),
+             step(((256, 256),), ((0, 12.01),), 12.02, 12.50)]
+    measured = {"requests": [{"success": True, "ttft": 0.12}, {"success": True, "ttft": 0.09},
+                             {"success": True, "ttft": 0.70}]}
+    costs = request_costs_ms(measured, requests, steps)
+    assert costs[0] == pytest.approx(120 - 90) and costs[1] == pytest.approx(90 - 60) and costs[2] is None
+    assert median_cost(costs) == pytest.approx(30.0)
+    assert median_cost([None]) is None
+    # A failed request, or an arrival whose prompt is not the request's (matched out of order), has no cost.
+    failed = {"requests": [{"success": False, "ttft": 0.0}, *measured["requests"][1:]]}
+    assert request_costs_ms(failed, requests, steps)[0] is None
+    swapped = [TraceRequest(0.0, 50, 4), TraceRequest(1.0, 100, 4), requests[2]]
+    assert request_costs_ms(measured, swapped, steps) == [None, None, None]
 
 
 def test_arrivals_wait_for_the_running_step(tmp_path, identity):
