@@ -17,11 +17,11 @@ Python and the threads' wake-up (tens of microseconds), which the engine's fused
 these times with a step's. Both builds also run one layer on the same inputs, and the report says whether they
 agree bit for bit.
 
-    python tools/attention_ab.py --a old.c --b new.c                 # smollm2's shape, batch 16, context 512
+    python tools/attention_ab.py --a ../old/kernels/cpu --b kernels/cpu                 # smollm2's shape, batch 16, context 512
     python tools/attention_ab.py --context 128 --hot                 # HEAD against the working tree, from cache
     python tools/attention_ab.py --quick                             # small shapes: checks the script
 
-Both sources must export every kernel ``kernels/cpu/build.py`` binds (see ``_sources.py``).
+Both folders must export every kernel ``kernels/cpu/registration.cpp`` declares (see ``_sources.py``).
 
 Per build: the median pass, the KV read a second, the time per position and KV head on each thread (the unit the
 kernel's loops work in), and the median over rounds of b's pass over a's in the same round.
@@ -30,7 +30,6 @@ kernel's loops work in), and the median over rounds of b's pass over a's in the 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import platform
 import statistics
 import sys
@@ -44,7 +43,7 @@ import attrs
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loaded by the tests
 
 import torch  # noqa: E402
-from _sources import build_ops, head_source  # noqa: E402
+from _sources import build_ops, head_kernels, kernels_digest  # noqa: E402
 
 from ksana.bench.results import write_json  # noqa: E402
 from ksana.kernels.cpu import build  # noqa: E402
@@ -59,8 +58,8 @@ EVICT_BYTES = 512 << 20
 
 @attrs.frozen
 class Settings:
-    a_source: Path
-    b_source: Path
+    a_kernels: Path
+    b_kernels: Path
     batch: int = 16
     context: int = 512
     layers: int = 30  # smollm2's attention: 30 layers, 9 query heads, 3 KV heads of 64
@@ -100,7 +99,7 @@ def run_ab(s: Settings, builds: dict[str, NativeCPUOps] | None = None) -> dict[s
     with tempfile.TemporaryDirectory() as tmp:
         if builds is None:
             builds = {name: build_ops(source, Path(tmp) / name)
-                      for name, source in (("a", s.a_source), ("b", s.b_source))}
+                      for name, source in (("a", s.a_kernels), ("b", s.b_kernels))}
         cache, table = _cache(s, dtype)
         seq_lens = torch.full((s.batch,), s.context, dtype=torch.int64)
         query = torch.randn((s.batch, s.heads, s.head_dim), generator=torch.Generator().manual_seed(s.seed + 1),
@@ -139,8 +138,8 @@ def run_ab(s: Settings, builds: dict[str, NativeCPUOps] | None = None) -> dict[s
     ratios = sorted(r["b_over_a"] for r in rounds)
     return {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in attrs.asdict(s).items()},
-        "sources": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-                    for name, path in (("a", s.a_source), ("b", s.b_source))},
+        "sources": {name: {"path": str(path), "sha256": kernels_digest(path)}
+                    for name, path in (("a", s.a_kernels), ("b", s.b_kernels))},
         "kv_bytes_a_pass": kv_bytes,
         "builds": per_build,
         "b_over_a": {"median": statistics.median(ratios), "q1": ratios[len(ratios) // 4],
@@ -170,9 +169,9 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", type=Path, help="the baseline kernel source (default: HEAD's kernels/cpu/ksana_cpu.c)")
-    parser.add_argument("--b", type=Path, default=build.SOURCE, help="the candidate (default: the working tree's)")
-    defaults = Settings(a_source=Path(), b_source=Path())
+    parser.add_argument("--a", type=Path, help="the baseline kernels folder (default: HEAD's kernels/cpu)")
+    parser.add_argument("--b", type=Path, default=build.HERE, help="the candidate (default: the working tree's)")
+    defaults = Settings(a_kernels=Path(), b_kernels=Path())
     for field in ("batch", "context", "layers", "heads", "kv_heads", "head_dim", "block_size", "rounds"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype)
@@ -183,13 +182,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("attention_ab.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        a_source = args.a or head_source(Path(tmp))
+        a_kernels = args.a or head_kernels(Path(tmp))
         fields = {f: getattr(args, f) for f in ("batch", "context", "layers", "heads", "kv_heads", "head_dim",
                                                  "block_size", "rounds", "dtype", "hot", "placement")}
         if args.quick:
             fields.update(batch=4, context=64, layers=2, rounds=3)
-        report = run_ab(Settings(a_source=a_source, b_source=args.b, **fields))
-        report["sources"]["a"]["path"] = "HEAD:kernels/cpu/ksana_cpu.c" if args.a is None else str(args.a)
+        report = run_ab(Settings(a_kernels=a_kernels, b_kernels=args.b, **fields))
+        report["sources"]["a"]["path"] = "HEAD:kernels/cpu" if args.a is None else str(args.a)
     print_report(report)
     write_json(report, args.out)
 

@@ -10,16 +10,15 @@ The tool also runs both builds on one captured step and says whether they give t
 residual and KV cache), which a change meant to be bit-identical should.
 
     python tools/decode_ab.py                                   # HEAD's kernels against the working tree's
-    python tools/decode_ab.py --a old.c --b new.c --batch 16 --context 512
+    python tools/decode_ab.py --a ../old/kernels/cpu --b kernels/cpu --batch 16 --context 512
     python tools/decode_ab.py --quick                           # the demo model, small shapes: checks the script
 
-Both sources must export every kernel ``kernels/cpu/build.py`` binds (see ``_sources.py``).
+Both folders must export every kernel ``kernels/cpu/registration.cpp`` declares (see ``_sources.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import platform
 import statistics
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _sources, when loade
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from _sources import build_ops, head_source  # noqa: E402
+from _sources import build_ops, head_kernels, kernels_digest  # noqa: E402
 
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.bench.results import write_json  # noqa: E402
@@ -47,8 +46,8 @@ SKIP_STEPS = 2  # each generate call's first decode steps (caches and pools sett
 
 @attrs.frozen
 class Settings:
-    a_source: Path
-    b_source: Path
+    a_kernels: Path
+    b_kernels: Path
     model: str = "smollm2"
     dtype: str = "float32"
     batch: int = 16
@@ -88,7 +87,7 @@ def _same_bits(builds: dict[str, NativeCPUOps], step: tuple) -> bool:
 def run_ab(settings: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {tag: build_ops(source, Path(tmp) / tag)
-                  for tag, source in (("a", settings.a_source), ("b", settings.b_source))}
+                  for tag, source in (("a", settings.a_kernels), ("b", settings.b_kernels))}
         if not builds["a"].has_linear:
             return {"settings": _settings_json(settings), "error": "no fused decode step on this CPU (it needs "
                     "AVX2 or AVX-512: linear_available() is 0)"}
@@ -134,8 +133,8 @@ def run_ab(settings: Settings) -> dict[str, Any]:
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return {
         "settings": _settings_json(settings),
-        "sources": {tag: {"path": str(src), "sha256": hashlib.sha256(src.read_bytes()).hexdigest()[:16]}
-                    for tag, src in (("a", settings.a_source), ("b", settings.b_source))},
+        "sources": {tag: {"path": str(src), "sha256": kernels_digest(src)[:16]}
+                    for tag, src in (("a", settings.a_kernels), ("b", settings.b_kernels))},
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "host": platform.node(),
@@ -166,8 +165,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", type=Path, help="the baseline kernel source (default: HEAD's ksana_cpu.c)")
-    parser.add_argument("--b", type=Path, default=build.SOURCE, help="the candidate (default: the working tree's)")
+    parser.add_argument("--a", type=Path, help="the baseline kernels folder (default: HEAD's kernels/cpu)")
+    parser.add_argument("--b", type=Path, default=build.HERE, help="the candidate (default: the working tree's)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=6)
@@ -176,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("decode_ab.json"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        a_source = args.a or head_source(Path(tmp))
-        settings = Settings(a_source=a_source, b_source=args.b, dtype=args.dtype, batch=args.batch,
+        a_kernels = args.a or head_kernels(Path(tmp))
+        settings = Settings(a_kernels=a_kernels, b_kernels=args.b, dtype=args.dtype, batch=args.batch,
                             context=args.context, rounds=args.rounds)
         if args.quick:
             settings = attrs.evolve(settings, model="demo", batch=min(args.batch, 3), context=24, tokens=8, rounds=2)

@@ -57,7 +57,7 @@ from roofline import (  # noqa: E402
 from ksana import LLM, SamplingParams  # noqa: E402
 from ksana.bench.results import write_json  # noqa: E402
 from ksana.builtin import resolve_model_dir  # noqa: E402
-from ksana.kernels.cpu.build import SOURCE  # noqa: E402
+from ksana.kernels.cpu.build import HERE  # noqa: E402
 from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 
@@ -99,7 +99,7 @@ class ClockedSteps:
 def clocked_ops(directory: Path) -> tuple[NativeCPUOps, Any]:
     """The working tree's kernels built with ``-DKSANA_PHASE_CLOCK`` into ``directory`` (made here): the ops and
     the build's operators, whose ``decode_phase_clock`` reads the clock."""
-    library = build_library(SOURCE, directory / "clocked", defines=("KSANA_PHASE_CLOCK",))
+    library = build_library(HERE, directory / "clocked", defines=("KSANA_PHASE_CLOCK",))
     if library.decode_phase_count() != len(PHASES):  # the C enum changed without PHASES
         raise RuntimeError(f"the clocked build has {library.decode_phase_count()} phases, PHASES names {len(PHASES)}")
     return NativeCPUOps(library), library

@@ -24,10 +24,21 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCE = HERE / "ksana_cpu.c"  # the C kernels (the A/B tools build other revisions of it)
-CXX_SOURCES = (HERE / "norms.cpp", HERE / "sampling.cpp")  # the kernels ported to C++ over vec.h's lanes
-HEADERS = (HERE / "vec.h", HERE / "parallel.h")
+SOURCE = HERE / "ksana_cpu.c"  # the C kernels (the A/B tools build other revisions of this folder)
 REGISTRATION = HERE / "registration.cpp"
+
+
+def cxx_sources(kernels: Path = HERE) -> tuple[Path, ...]:
+    """The kernels in C++ over vec.h's lanes, one file per operator family: every ``.cpp`` of the folder but the
+    registration."""
+    return tuple(sorted(path for path in kernels.glob("*.cpp") if path.name != REGISTRATION.name))
+
+
+def headers(kernels: Path = HERE) -> tuple[Path, ...]:
+    return tuple(sorted(kernels.glob("*.h")))
+
+
+CXX_SOURCES = cxx_sources()
 LIBRARY_NAME = "libksana_cpu.so"
 NAMESPACE = "ksana"  # torch.ops.ksana; the A/B tools load other builds under other names
 # "torch" forces the reference ops (to compare paths, or if the native build misbehaves); a level from LEVELS builds
@@ -35,6 +46,9 @@ NAMESPACE = "ksana"  # torch.ops.ksana; the A/B tools load other builds under ot
 # fallback, "avx2" adds AVX2/FMA (with the packed linear and fused decode), "avx512" their AVX-512 versions and
 # the 16-lane decode attention and fused greedy sampling.
 CPU_KERNELS_ENV = "KSANA_CPU_KERNELS"
+# "1" builds the C++ kernels' 16-lane (AVX-512) code on lanes of two F32x8, so that it runs, and is tested, on a
+# CPU without AVX-512 (tests/kernels/test_cpu_native.py).
+WIDE_LANES_ENV = "KSANA_CPU_WIDE_LANES"
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
@@ -55,19 +69,19 @@ def build_level() -> str:
     return detected
 
 
-def compiler_flags() -> list[str]:
-    """-O3, plus per level: AVX2/FMA; the AVX-512 packed-weight linear, decode attention and fused decode
-    (compiled for AVX-512 inside their own sections only; an AVX2 build has its own packed linear and fused
-    decode). Never -ffast-math, and no FMA contraction of elementwise code, so rounding matches torch's eager ops
-    (attention and linear use FMA explicitly).
+def compiler_flags(level: str | None = None) -> list[str]:
+    """-O3, plus per level (``build_level()`` unless given): AVX2/FMA; AVX-512 for the C++ kernels (vec.h's
+    F32x16, see ``cxx_flags``) and the C packed linear and fused decode's own AVX-512 sections (an AVX2 build has
+    its own packed linear and fused decode). Never -ffast-math, and no FMA contraction of elementwise code, so
+    rounding matches torch's eager ops (attention and linear use FMA explicitly).
 
     bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``, which ran slower from
     16 rows on Intel's AVX-512 Xeons."""
     flags = ["-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", f"-I{HERE}"]
-    level = LEVELS.index(build_level())
-    if level >= LEVELS.index("avx2"):
+    index = LEVELS.index(level or build_level())
+    if index >= LEVELS.index("avx2"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    if level >= LEVELS.index("avx512"):
+    if index >= LEVELS.index("avx512"):
         flags.append("-DKSANA_AVX512")
     return flags
 
@@ -129,22 +143,30 @@ def registration_object(cxx: str) -> Path:
 
 
 def cxx_flags(flags: list[str]) -> list[str]:
-    """The C++ kernels' flags: the C build's (level, no FMA contraction), as C++."""
-    return [flag for flag in flags if flag != "-std=c11"] + ["-std=c++20"]
+    """The C++ kernels' flags: the C build's (level, no FMA contraction), as C++; an AVX-512 build compiles them for
+    AVX-512 throughout (vec.h's F32x16 is then __m512), keeping the compiler's own vectorisation 256 bits wide."""
+    cxx = [flag for flag in flags if flag != "-std=c11"] + ["-std=c++20"]
+    if "-DKSANA_AVX512" in flags:
+        cxx += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=256"]
+    if os.environ.get(WIDE_LANES_ENV) == "1":
+        cxx.append("-DKSANA_WIDE_LANES")
+    return cxx
 
 
-def compile_library(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> Path:
-    """The C kernels ``source`` and the C++ ones compiled with ``flags``, linked with the registration into
-    ``directory``: the shared library's path. RuntimeError with the compiler's output when a step fails."""
+def compile_library(compiler: str, flags: list[str], directory: Path, kernels: Path = HERE) -> Path:
+    """The kernels in ``kernels`` (this folder, or a copy of another revision's: the A/B tools') compiled with
+    ``flags``, linked with the registration into ``directory``: the shared library's path. RuntimeError with the
+    compiler's output when a step fails."""
     from torch.utils.cpp_extension import library_paths
 
     cxx = find_cxx_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or put c++ or g++ on the PATH)")
     registration = registration_object(cxx)
+    flags = [f"-I{kernels}" if flag == f"-I{HERE}" else flag for flag in flags]
     objects = [directory / "ksana_cpu.o"]
-    _run([compiler, *flags, "-c", "-o", str(objects[0]), str(source)])
-    for cxx_source in CXX_SOURCES:
+    _run([compiler, *flags, "-c", "-o", str(objects[0]), str(kernels / SOURCE.name)])
+    for cxx_source in cxx_sources(kernels):
         objects.append(directory / f"{cxx_source.stem}.o")
         _run([cxx, *cxx_flags(flags), "-c", "-o", str(objects[-1]), str(cxx_source)])
     output = directory / LIBRARY_NAME
@@ -154,9 +176,10 @@ def compile_library(compiler: str, flags: list[str], directory: Path, source: Pa
     return output
 
 
-def sources_digest() -> bytes:
-    """The kernels' own sources, for the cache key (the C source, the C++ families, their headers)."""
-    return b"\0".join(path.read_bytes() for path in (SOURCE, *CXX_SOURCES, *HEADERS))
+def sources_digest(kernels: Path = HERE) -> bytes:
+    """The kernels' own sources in ``kernels``, for the cache key (the C source, the C++ families, their headers)."""
+    paths = (kernels / SOURCE.name, *cxx_sources(kernels), *headers(kernels))
+    return b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in paths)
 
 
 def load_ops(path: Path, namespace: str = NAMESPACE):
@@ -200,7 +223,7 @@ def load_library():
     flags = compiler_flags()
     try:
         key = build_key(sources_digest(), REGISTRATION.read_bytes(), compiler, _version(compiler), cxx,
-                        _version(cxx), *flags, *registration_flags())
+                        _version(cxx), *flags, *cxx_flags(flags), *registration_flags())
         directory = build_cached(f"cpu-kernels-{key}", lambda tmp: compile_library(compiler, flags, tmp))
         return load_ops(directory / LIBRARY_NAME)
     except (OSError, RuntimeError) as error:

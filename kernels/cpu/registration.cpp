@@ -19,7 +19,8 @@
 #include <string>
 #include <tuple>
 
-// ---- The C kernels (ksana_cpu.c). Every dtype pair shares one signature; T* travels as void*. --------------------
+// ---- The kernels' C entry points (ksana_cpu.c and the C++ families). Every dtype pair shares one signature; T*
+// travels as void*. ---------------------------------------------------------------------------------------------
 extern "C" {
 #define KSANA_BOTH(ret, name, ...) ret name##_f32(__VA_ARGS__); ret name##_bf16(__VA_ARGS__);
 KSANA_BOTH(void, rms_norm, const void *x, int64_t x_stride, const void *add, void *residual_out, const void *w,
@@ -54,6 +55,7 @@ void prefill_attention_f32(const void *q, int64_t q_stride, const void *k_cache,
                            int64_t window, void *out, int nthreads);
 int linear_available(void);
 int prefill_attention_available(void);
+int wide_lanes(void);
 int set_packed_prefetch_min_rows(int rows);
 // Only the build tools/decode_phases.py makes (-DKSANA_PHASE_CLOCK) defines these.
 int decode_phase_count(void) __attribute__((weak));
@@ -354,6 +356,7 @@ void decode_layers(const Tensor &table, const Tensor &windows, Tensor &hidden, T
 // ---- what the build holds, and its settings ---------------------------------------------------------------------
 bool has_linear() { return linear_available() != 0; }
 bool has_prefill_attention() { return prefill_attention_available() != 0; }
+int64_t vector_lanes() { return wide_lanes(); }
 int64_t set_prefetch_min_rows(int64_t rows) { return set_packed_prefetch_min_rows((int)rows); }
 int64_t phase_count() { return decode_phase_count ? decode_phase_count() : 0; }
 
@@ -392,6 +395,7 @@ void define(torch::Library &m) {
     m.def("decode_phase_clock(Tensor(a!) out) -> ()");
     m.def("linear_available() -> bool", &has_linear);
     m.def("prefill_attention_available() -> bool", &has_prefill_attention);
+    m.def("vector_lanes() -> int", &vector_lanes);
     m.def("set_packed_prefetch_min_rows(int rows) -> int", &set_prefetch_min_rows);
     m.def("decode_phase_count() -> int", &phase_count);
 }

@@ -1,7 +1,9 @@
-// Eight float32 lanes for every instruction set: one source for the CPU kernels' vector code.
+// Float32 lanes for every instruction set: one source for the CPU kernels' vector code.
 //
 // F32x8 wraps __m256 where the build targets AVX2/FMA, two float32x4_t on NEON, and a plain array elsewhere, which
-// the compiler vectorises as it can. Every operation rounds exactly as IEEE float32 does lane by lane (the fused
+// the compiler vectorises as it can. F32x16 wraps __m512 where the build targets AVX-512, and is two F32x8
+// elsewhere: a kernel written over a lane type V runs 16 lanes wide on AVX-512, and the same 16-lane code runs (and
+// is tested, bit for bit) on any other CPU as pairs of 8. `Wide` is the type a kernel takes for its widest lanes. Every operation rounds exactly as IEEE float32 does lane by lane (the fused
 // multiply-adds are explicit and round once), and the reductions add in one fixed tree, so a kernel written on
 // F32x8 gives the same bits on every instruction set. bfloat16 values travel as uint16_t and widen exactly; they
 // narrow rounding to nearest even, as torch rounds.
@@ -14,6 +16,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KSANA_VEC_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define KSANA_VEC_AVX512 1
+#endif
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
 #define KSANA_VEC_NEON 1
@@ -49,12 +54,21 @@ template <> inline float round_to<bf16>(float x) { return bf16_to_f32(f32_to_bf1
 #if KSANA_VEC_AVX2
 struct F32x8 {
     __m256 v;
+    static constexpr int lanes = 8;
     static F32x8 zero() { return {_mm256_setzero_ps()}; }
     static F32x8 splat(float x) { return {_mm256_set1_ps(x)}; }
     static F32x8 load(const float *p) { return {_mm256_loadu_ps(p)}; }
     static F32x8 load(const bf16 *p) {
         __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
         return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+    }
+    // The first n lanes (0 <= n <= 8) from p, `fill` in the others; the others are not read.
+    static F32x8 load_first(const float *p, int n, float fill) {
+        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        return {_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, live), _mm256_castsi256_ps(live))};
+    }
+    void store_first(float *p, int n) const {
+        _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), v);
     }
     void store(float *p) const { _mm256_storeu_ps(p, v); }
     void store(bf16 *p) const {  // as f32_to_bf16, lane by lane
@@ -77,6 +91,12 @@ struct F32x8 {
     friend F32x8 operator-(F32x8 a, F32x8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
     friend F32x8 operator*(F32x8 a, F32x8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
     friend F32x8 operator-(F32x8 a) { return {_mm256_xor_ps(a.v, _mm256_set1_ps(-0.0f))}; }
+    friend F32x8 operator/(F32x8 a, F32x8 b) { return {_mm256_div_ps(a.v, b.v)}; }
+    F32x8 neg_abs() const { return {_mm256_or_ps(v, _mm256_set1_ps(-0.0f))}; }  // -|v|
+    // Lane by lane: neg where `sign` < 0, else other.
+    static F32x8 where_negative(F32x8 sign, F32x8 neg, F32x8 other) {
+        return {_mm256_blendv_ps(other.v, neg.v, _mm256_cmp_ps(sign.v, _mm256_setzero_ps(), _CMP_LT_OQ))};
+    }
     // a * b + c, rounded once.
     static F32x8 fma(F32x8 a, F32x8 b, F32x8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
     // a > b ? a : b lane by lane (a NaN lane in either gives b's).
@@ -98,10 +118,27 @@ struct F32x8 {
         return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
     }
 };
+
+// Four float32 lanes: four positions' scores at a time in decode attention.
+struct F32x4 {
+    __m128 v;
+    static F32x4 splat(float x) { return {_mm_set1_ps(x)}; }
+    static F32x4 load(const float *p) { return {_mm_loadu_ps(p)}; }
+    void store(float *p) const { _mm_storeu_ps(p, v); }
+    friend F32x4 operator*(F32x4 a, F32x4 b) { return {_mm_mul_ps(a.v, b.v)}; }
+    static F32x4 max(F32x4 a, F32x4 b) { return {_mm_max_ps(a.v, b.v)}; }  // a > b ? a : b
+};
+
+// Four vectors' sums, each in the horizontal-add tree ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)).
+inline F32x4 sums4(F32x8 a0, F32x8 a1, F32x8 a2, F32x8 a3) {
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0.v, a1.v), _mm256_hadd_ps(a2.v, a3.v));
+    return {_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1))};
+}
 #else
 // Portable and NEON lanes: the same operations on eight floats (NEON's are its two 4-lane registers).
 struct F32x8 {
     float v[8];
+    static constexpr int lanes = 8;
     static F32x8 zero() { return splat(0.0f); }
     static F32x8 splat(float x) {
         F32x8 r;
@@ -117,6 +154,14 @@ struct F32x8 {
     template <typename T>
     void store(T *p) const {
         for (int i = 0; i < 8; i++) store1(p + i, v[i]);
+    }
+    static F32x8 load_first(const float *p, int n, float fill) {
+        F32x8 r;
+        for (int i = 0; i < 8; i++) r.v[i] = i < n ? p[i] : fill;
+        return r;
+    }
+    void store_first(float *p, int n) const {
+        for (int i = 0; i < n; i++) p[i] = v[i];
     }
     F32x8 round_bf16() const {  // finite lanes, as the AVX2 path
         F32x8 r;
@@ -158,6 +203,19 @@ struct F32x8 {
         for (int i = 0; i < 8; i++) a.v[i] -= b.v[i];
         return a;
     }
+    friend F32x8 operator/(F32x8 a, F32x8 b) {
+        for (int i = 0; i < 8; i++) a.v[i] /= b.v[i];
+        return a;
+    }
+    F32x8 neg_abs() const {
+        F32x8 r;
+        for (int i = 0; i < 8; i++) r.v[i] = -std::fabs(v[i]);
+        return r;
+    }
+    static F32x8 where_negative(F32x8 sign, F32x8 neg, F32x8 other) {
+        for (int i = 0; i < 8; i++) other.v[i] = sign.v[i] < 0.0f ? neg.v[i] : other.v[i];
+        return other;
+    }
     static F32x8 fma(F32x8 a, F32x8 b, F32x8 c) {
         for (int i = 0; i < 8; i++) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
         return c;
@@ -191,6 +249,33 @@ struct F32x8 {
     }
     float sum() const { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 };
+
+struct F32x4 {
+    float v[4];
+    static F32x4 splat(float x) { return {{x, x, x, x}}; }
+    static F32x4 load(const float *p) { return {{p[0], p[1], p[2], p[3]}}; }
+    void store(float *p) const {
+        for (int i = 0; i < 4; i++) p[i] = v[i];
+    }
+    friend F32x4 operator*(F32x4 a, F32x4 b) {
+        for (int i = 0; i < 4; i++) a.v[i] *= b.v[i];
+        return a;
+    }
+    static F32x4 max(F32x4 a, F32x4 b) {
+        for (int i = 0; i < 4; i++) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+        return a;
+    }
+};
+
+inline F32x4 sums4(F32x8 a0, F32x8 a1, F32x8 a2, F32x8 a3) {
+    const F32x8 *a[4] = {&a0, &a1, &a2, &a3};
+    F32x4 out;
+    for (int k = 0; k < 4; k++) {
+        const float *v = a[k]->v;
+        out.v[k] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+    return out;
+}
 #endif
 
 // The largest lane (NaN-free lanes; exact in any order).
@@ -204,24 +289,131 @@ inline float max_lane(F32x8 x) {
 
 // e^x for x <= 0 (softmax arguments): 2^n * e^r with n = round(x / ln 2), |r| <= ln2/2 (ln 2 in two parts, so r is
 // exact) and a degree-6 Taylor polynomial (about one ulp); arguments below -87 give (nearly) zero. The same
-// operations in the same order on every instruction set, so the same bits.
-inline F32x8 exp_nonpositive(F32x8 x) {
-    x = F32x8::max(x, F32x8::splat(-87.0f));
-    F32x8 n = (x * F32x8::splat(1.44269504f)).round_even();
-    F32x8 r = F32x8::fma(-n, F32x8::splat(0.693359375f), x);
-    r = F32x8::fma(-n, F32x8::splat(-2.12194440e-4f), r);
-    F32x8 p = F32x8::splat(1.0f / 720);
-    p = F32x8::fma(p, r, F32x8::splat(1.0f / 120));
-    p = F32x8::fma(p, r, F32x8::splat(1.0f / 24));
-    p = F32x8::fma(p, r, F32x8::splat(1.0f / 6));
-    p = F32x8::fma(p, r, F32x8::splat(0.5f));
-    p = F32x8::fma(p, r, F32x8::splat(1.0f));
-    p = F32x8::fma(p, r, F32x8::splat(1.0f));
+// operations in the same order on every instruction set and lane width, so the same bits.
+template <typename V>
+inline V exp_nonpositive(V x) {
+    x = V::max(x, V::splat(-87.0f));
+    V n = (x * V::splat(1.44269504f)).round_even();
+    V r = V::fma(-n, V::splat(0.693359375f), x);
+    r = V::fma(-n, V::splat(-2.12194440e-4f), r);
+    V p = V::splat(1.0f / 720);
+    p = V::fma(p, r, V::splat(1.0f / 120));
+    p = V::fma(p, r, V::splat(1.0f / 24));
+    p = V::fma(p, r, V::splat(1.0f / 6));
+    p = V::fma(p, r, V::splat(0.5f));
+    p = V::fma(p, r, V::splat(1.0f));
+    p = V::fma(p, r, V::splat(1.0f));
     return p * n.exp2_integral();
 }
 
-// Eight lanes of T as float32, and back: round<T> is round_bf16 for bfloat16, nothing for float32.
+#if KSANA_VEC_AVX512
+struct F32x16 {
+    __m512 v;
+    static constexpr int lanes = 16;
+    static F32x16 zero() { return {_mm512_setzero_ps()}; }
+    static F32x16 splat(float x) { return {_mm512_set1_ps(x)}; }
+    static F32x16 load(const float *p) { return {_mm512_loadu_ps(p)}; }
+    static F32x16 load(const bf16 *p) {
+        __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+    }
+    static F32x16 load_first(const float *p, int n, float fill) {
+        return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), static_cast<__mmask16>((1u << n) - 1u), p)};
+    }
+    void store_first(float *p, int n) const { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v); }
+    void store(float *p) const { _mm512_storeu_ps(p, v); }
+    void store(bf16 *p) const {  // as f32_to_bf16, lane by lane
+        __m512i u = _mm512_castps_si512(v);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(p), _mm512_cvtepi32_epi16(r));
+    }
+    F32x16 round_bf16() const {  // finite lanes, as F32x8's
+        __m512i u = _mm512_castps_si512(v);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+        return {_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+    }
+    friend F32x16 operator+(F32x16 a, F32x16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+    friend F32x16 operator-(F32x16 a, F32x16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+    friend F32x16 operator*(F32x16 a, F32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+    friend F32x16 operator-(F32x16 a) { return {_mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(a.v), _mm512_set1_epi32(static_cast<int>(0x80000000u))))}; }
+    friend F32x16 operator/(F32x16 a, F32x16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+    F32x16 neg_abs() const { return {_mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u))))}; }
+    static F32x16 where_negative(F32x16 sign, F32x16 neg, F32x16 other) {
+        return {_mm512_mask_mov_ps(other.v, _mm512_cmp_ps_mask(sign.v, _mm512_setzero_ps(), _CMP_LT_OQ), neg.v)};
+    }
+    static F32x16 fma(F32x16 a, F32x16 b, F32x16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+    static F32x16 max(F32x16 a, F32x16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+    F32x16 round_even() const { return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+    F32x16 exp2_integral() const {
+        __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(127)), 23);
+        return {_mm512_castsi512_ps(e)};
+    }
+    // The low and high eight lanes added: eight lanes whose sum is this vector's.
+    F32x8 fold() const { return {_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))}; }
+    float sum() const { return fold().sum(); }  // the tree of _mm512_reduce_add_ps
+    float max_lane() const { return _mm512_reduce_max_ps(v); }
+};
+#else
+// Sixteen lanes as two F32x8: the same values lane by lane, and sum() in the same tree, as AVX-512's.
+struct F32x16 {
+    F32x8 lo, hi;
+    static constexpr int lanes = 16;
+    static F32x16 zero() { return {F32x8::zero(), F32x8::zero()}; }
+    static F32x16 splat(float x) { return {F32x8::splat(x), F32x8::splat(x)}; }
+    template <typename T>
+    static F32x16 load(const T *p) { return {F32x8::load(p), F32x8::load(p + 8)}; }
+    static F32x16 load_first(const float *p, int n, float fill) {
+        return {F32x8::load_first(p, n < 8 ? n : 8, fill), F32x8::load_first(p + 8, n > 8 ? n - 8 : 0, fill)};
+    }
+    void store_first(float *p, int n) const {
+        lo.store_first(p, n < 8 ? n : 8);
+        hi.store_first(p + 8, n > 8 ? n - 8 : 0);
+    }
+    template <typename T>
+    void store(T *p) const { lo.store(p), hi.store(p + 8); }
+    F32x16 round_bf16() const { return {lo.round_bf16(), hi.round_bf16()}; }
+    friend F32x16 operator+(F32x16 a, F32x16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+    friend F32x16 operator-(F32x16 a, F32x16 b) { return {a.lo - b.lo, a.hi - b.hi}; }
+    friend F32x16 operator*(F32x16 a, F32x16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+    friend F32x16 operator-(F32x16 a) { return {-a.lo, -a.hi}; }
+    friend F32x16 operator/(F32x16 a, F32x16 b) { return {a.lo / b.lo, a.hi / b.hi}; }
+    F32x16 neg_abs() const { return {lo.neg_abs(), hi.neg_abs()}; }
+    static F32x16 where_negative(F32x16 sign, F32x16 neg, F32x16 other) {
+        return {F32x8::where_negative(sign.lo, neg.lo, other.lo), F32x8::where_negative(sign.hi, neg.hi, other.hi)};
+    }
+    static F32x16 fma(F32x16 a, F32x16 b, F32x16 c) { return {F32x8::fma(a.lo, b.lo, c.lo), F32x8::fma(a.hi, b.hi, c.hi)}; }
+    static F32x16 max(F32x16 a, F32x16 b) { return {F32x8::max(a.lo, b.lo), F32x8::max(a.hi, b.hi)}; }
+    F32x16 round_even() const { return {lo.round_even(), hi.round_even()}; }
+    F32x16 exp2_integral() const { return {lo.exp2_integral(), hi.exp2_integral()}; }
+    F32x8 fold() const { return lo + hi; }
+    float sum() const { return fold().sum(); }
+    float max_lane() const { return ksana::max_lane(F32x8::max(lo, hi)); }
+};
+#endif
+
+// A vector's lanes folded to eight (their sum kept): itself for F32x8.
+inline F32x8 fold(F32x8 x) { return x; }
+inline F32x8 fold(F32x16 x) { return x.fold(); }
+inline float max_lane(F32x16 x) { return x.max_lane(); }
+
+// The widest lanes this build runs: 16 on AVX-512, or where KSANA_WIDE_LANES asks for the AVX-512 kernels'
+// algorithms on another CPU (to test them there), else 8.
+#if KSANA_VEC_AVX512 || defined(KSANA_WIDE_LANES)
+using Wide = F32x16;
+#else
+using Wide = F32x8;
+#endif
+
+// Lanes of T as float32, and back: round<T> is round_bf16 for bfloat16, nothing for float32.
 template <typename T> inline F32x8 round_to(F32x8 x) { return x; }
 template <> inline F32x8 round_to<bf16>(F32x8 x) { return x.round_bf16(); }
+template <typename T> inline F32x16 round_to(F32x16 x) { return x; }
+template <> inline F32x16 round_to<bf16>(F32x16 x) { return x.round_bf16(); }
 
 }  // namespace ksana

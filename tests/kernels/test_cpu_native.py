@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ksana.kernels import attention, norm, rotary
 from ksana.kernels.backends import cpu_ops
 from ksana.kernels.cpu import load_library
-from ksana.kernels.cpu.build import LEVELS, cpu_level, find_compiler, find_cxx_compiler
+from ksana.kernels.cpu.build import LEVELS, WIDE_LANES_ENV, cpu_level, find_compiler, find_cxx_compiler
 from ksana.kernels.cpu.ops import (
     AMD_PACKED_PREFETCH_MIN_ROWS,
     AMX_MIN_ROWS,
@@ -128,6 +128,30 @@ for dtype in (torch.float32, torch.bfloat16):
 """
     env = {**os.environ, "KSANA_CPU_KERNELS": level}  # the suite's kernel cache: one registration for every level
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+def test_the_build_runs_the_lanes_its_cpu_and_settings_ask_for(library) -> None:
+    wide = cpu_level() == "avx512" or os.environ.get(WIDE_LANES_ENV) == "1"
+    assert library.vector_lanes() == (16 if wide else 8)
+
+
+# The tests of the C++ kernels that take 16 lanes on AVX-512 (and this one's own check of the lanes).
+WIDE_LANE_TESTS = ("silu or head_sizes or gqa_group_sizes or split_their_positions or whole_in_their_tasks or "
+                   "in_order or prefill_attention_matches or prefill_reads_no_block or lanes_its_cpu")
+
+
+def test_the_sixteen_lane_kernels_pass_their_tests_on_pairs_of_eight_lanes(library) -> None:
+    """The C++ kernels' 16-lane (AVX-512) code, built with KSANA_CPU_WIDE_LANES=1 so that vec.h's F32x16 is two
+    F32x8 here, passes this module's tests of SiLU, decode and prefill attention: the source an AVX-512 CPU runs,
+    but for the thin __m512 wrapper (compiled in test_cpu_avx512_build.py)."""
+    if os.environ.get(WIDE_LANES_ENV) == "1" or cpu_level() == "avx512":
+        pytest.skip("this run's build has the 16 lanes already")
+    env = {**os.environ, WIDE_LANES_ENV: "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings",
+                           __file__, "-k", WIDE_LANE_TESTS], env=env, capture_output=True, text=True, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " skipped" not in done.stdout, done.stdout[-2000:]
 
 
 def test_env_switch_falls_back_to_the_torch_reference() -> None:

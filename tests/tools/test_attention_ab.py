@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from ksana.kernels.cpu import build
-from tests.tools import load_tool, require_compiler
-
-FINISH_LINE = "float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;"
+from tests.tools import changed_kernels, load_tool, require_compiler
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +24,18 @@ def bench():
 def current(bench, tmp_path_factory):
     """The working tree's kernels, compiled once for every test here (a build takes seconds)."""
     require_compiler()
-    return load_tool("_sources").build_ops(build.SOURCE, tmp_path_factory.mktemp("attention_ab") / "current")
+    return load_tool("_sources").build_ops(build.HERE, tmp_path_factory.mktemp("attention_ab") / "current")
 
 
-def _settings(bench, b_source, hot=False):
+def _settings(bench, b_kernels, hot=False):
     # batch 8: a task is a whole sequence on up to 4 threads, so every output goes through decode_finish
-    return bench.Settings(a_source=build.SOURCE, b_source=b_source, batch=8, context=40, layers=3, rounds=4,
+    return bench.Settings(a_kernels=build.HERE, b_kernels=b_kernels, batch=8, context=40, layers=3, rounds=4,
                           hot=hot)
 
 
 @pytest.mark.parametrize("hot", [False, True])
 def test_one_source_against_itself_agrees_and_counts_the_kv(bench, current, hot):
-    report = bench.run_ab(_settings(bench, build.SOURCE, hot=hot), {"a": current, "b": current})
+    report = bench.run_ab(_settings(bench, build.HERE, hot=hot), {"a": current, "b": current})
     assert report["same_bits"] is True
     assert len(report["rounds"]) == 4
     for r in report["rounds"]:
@@ -55,10 +53,7 @@ def test_one_source_against_itself_agrees_and_counts_the_kv(bench, current, hot)
 
 
 def test_a_build_whose_attention_differs_is_reported(bench, current, tmp_path):
-    source = build.SOURCE.read_text()
-    assert FINISH_LINE in source  # the line this test perturbs (the softmax's normaliser)
-    changed = tmp_path / "ksana_cpu_changed.c"
-    changed.write_text(source.replace(FINISH_LINE, FINISH_LINE.replace("1.0f / sums[g]", "1.001f / sums[g]")))
+    changed = changed_kernels(tmp_path)
     report = bench.run_ab(_settings(bench, changed), {"a": current, "b": load_tool("_sources").build_ops(changed, tmp_path / "b")})
     assert report["same_bits"] is False
     assert report["sources"]["a"]["sha256"] != report["sources"]["b"]["sha256"]
@@ -66,7 +61,7 @@ def test_a_build_whose_attention_differs_is_reported(bench, current, tmp_path):
 
 @pytest.mark.parametrize("placement", ["random", "in-order"])
 def test_the_block_table_places_every_block_once(bench, placement):
-    settings = bench.Settings(a_source=build.SOURCE, b_source=build.SOURCE, batch=4, context=40, layers=1,
+    settings = bench.Settings(a_kernels=build.HERE, b_kernels=build.HERE, batch=4, context=40, layers=1,
                               placement=placement)
     _, table = bench._cache(settings, torch.float32)
     assert table.shape == (4, 3)  # 40 positions: 3 blocks of 16 a sequence

@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from ksana.kernels.cpu import build
-from tests.tools import load_tool, require_compiler, require_fused_decode
-
-FINISH_LINE = "float inv = sums[g] > 0.f ? 1.0f / sums[g] : 0.f;"
+from tests.tools import changed_kernels, load_tool, require_compiler, require_fused_decode
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +19,14 @@ def bench():
     return load_tool("decode_ab")
 
 
-def _settings(bench, b_source: Path):
-    return bench.Settings(a_source=build.SOURCE, b_source=b_source, model="demo", batch=3, context=24, tokens=10,
+def _settings(bench, b_kernels: Path):
+    return bench.Settings(a_kernels=build.HERE, b_kernels=b_kernels, model="demo", batch=3, context=24, tokens=10,
                           rounds=2)
 
 
 def test_one_source_against_itself_pairs_neighbouring_steps_and_gives_the_same_bits(bench):
     require_fused_decode()
-    report = bench.run_ab(_settings(bench, build.SOURCE))
+    report = bench.run_ab(_settings(bench, build.HERE))
     assert report["same_bits"] is True
     assert len(report["rounds"]) == 2
     assert all(r["pair_ratios"] for r in report["rounds"])
@@ -44,16 +42,13 @@ def test_pairs_are_neighbouring_calls_of_one_build_each(bench):
 def test_a_cpu_without_the_fused_step_is_reported(bench, monkeypatch):
     require_compiler()
     monkeypatch.setenv("KSANA_CPU_KERNELS", "portable")  # the plain C build: no packed linear, no fused step
-    report = bench.run_ab(_settings(bench, build.SOURCE))
+    report = bench.run_ab(_settings(bench, build.HERE))
     assert "no fused decode step" in report["error"]
 
 
 def test_a_build_that_rounds_differently_is_reported(bench, tmp_path):
     require_fused_decode()
-    source = build.SOURCE.read_text()
-    assert FINISH_LINE in source  # the line this test perturbs (the attention softmax's normaliser)
-    changed = tmp_path / "ksana_cpu_changed.c"
-    changed.write_text(source.replace(FINISH_LINE, FINISH_LINE.replace("1.0f / sums[g]", "1.001f / sums[g]")))
+    changed = changed_kernels(tmp_path)
     report = bench.run_ab(_settings(bench, changed))
     assert report["same_bits"] is False
     assert report["sources"]["a"]["sha256"] != report["sources"]["b"]["sha256"]
