@@ -15,13 +15,17 @@
 #include "decode_plan.h"
 #include "vec.h"
 
-// Worth waking the pool: context positions x query heads x head_dim.
+// Worth waking the pool: context positions x query heads x head_dim. Waking it for a small batch's attention costs
+// a time slice when the server's loop holds a core (bench/serving_vs_offline.py).
 #define PARALLEL_MIN_ATTENTION_WORK (1 << 20)
 // Lower where few sequences' tasks split: there both threads halve a long context's attention, worth waking the
-// pool for at batch 1; the same threshold for every batch slows serving's many small steps.
+// pool for at batch 1 (bench/roofline.py's decode); the same threshold for every batch slows serving's many small
+// steps (bench/serving_vs_offline.py).
 #define PARALLEL_MIN_SPLIT_WORK (1 << 18)
-#define DECODE_SPLIT_TASKS 8  // tasks per thread that few long sequences split into
-#define DECODE_SPLIT_MIN 128  // positions per split task at least
+// Few long sequences split into about 8 tasks a thread of at least 128 positions each (bench/roofline.py's decode
+// at batch 1, context 512: its attention 2.3-2.6 ms a step whole, 1.7-1.9 split).
+#define DECODE_SPLIT_TASKS 8
+#define DECODE_SPLIT_MIN 128
 
 namespace ksana {
 namespace {

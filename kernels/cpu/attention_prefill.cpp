@@ -15,8 +15,9 @@
 
 #include "vec.h"
 
-#define PREFILL_QBLOCK 16  // query positions a task
-#define PREFILL_KTILE 16   // keys a packed tile
+// Query positions a task and keys a packed tile (bench/kernel_ops.py's prefill attention against SDPA).
+#define PREFILL_QBLOCK 16
+#define PREFILL_KTILE 16
 
 namespace ksana {
 namespace {
