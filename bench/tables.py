@@ -154,7 +154,7 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
         if "step_cost_ratio" in run:  # the served steps against the fit's prices, and the run's own step costs
             request = run.get("request_cost_ms")
             request_text = (f", a request {request['served']:.0f} ms outside the engine against the fit's "
-                            f"{request['fit']:.0f}") if request else ""
+                            f"{request['fit']:.0f}") if request and request["served"] is not None else ""
             diagnosis = (f"; the served steps took {run['step_cost_ratio']['all']:.2f}x the fit's prices"
                          f"{request_text}; with this run's own costs {run['max_rel_error_with_served_steps']:.1%} "
                          "at most")

@@ -11,8 +11,8 @@ and non-negative least squares as the perf fit (``serving_worker_ms`` in the fit
 
 Each request also spends time outside the engine: in HTTP handling and the client before the scheduler sees it,
 and after its first token until the client reads it. The step log says when the scheduler received each request
-and when its first step's result came, so that cost is measured, not searched for: the client's TTFT less the
-engine's, for each request whose first step computed its whole prompt. The light phase's median is
+and when the step that finished its prompt returned, so that cost is measured, not searched for: the client's
+TTFT less the engine's, for each request. The light phase's median is
 ``serving_request_ms`` in the fit (a request's own cost; in the burst the queue adds to both sides).
 """
 
@@ -37,6 +37,19 @@ PROBE_PHASES = (
 PROBE_GAP_S = 4.0  # between the light phase's last arrival and the burst's first
 
 
+def probe_phases_for(requests: Sequence[TraceRequest],
+                     phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> tuple[dict[str, Any], ...]:
+    """``phases`` with the burst's prompt and output lengths widened to cover ``requests``' (a trace to be
+    predicted): the served step costs are a linear fit, which prices a context longer than the probe's by
+    extrapolation; the probe's own requests stay its own."""
+    *first, burst = phases
+    prompts, outputs = [r.prompt_len for r in requests], [r.output_len for r in requests]
+    (in_lo, in_hi), (out_lo, out_hi) = burst["input_len"], burst["output_len"]
+    widened = {**burst, "input_len": (min(in_lo, *prompts), max(in_hi, *prompts)),
+               "output_len": (min(out_lo, *outputs), max(out_hi, *outputs))}
+    return (*first, widened)
+
+
 def probe_trace(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
     start = 0.0
@@ -55,16 +68,22 @@ def probe_phases(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[rang
 
 def request_costs_ms(measured: dict[str, Any], requests: Sequence[TraceRequest],
                      steps: Sequence[Any]) -> list[float | None]:
-    """Per request, its client TTFT less its time in the engine up to its first token (from the scheduler's
-    receipt to its first step's result), where that step computed the whole prompt; None elsewhere. The step
-    log's arrivals are the trace's requests in arrival order, checked by prompt length."""
-    arrivals = sorted((at, step.rows[index], step.result_at) for step in steps for index, at in step.arrivals)
+    """Per request, its client TTFT less its time in the engine up to its first token: from the scheduler's
+    receipt to the result of the step that computed the last of its prompt (the first chunk's step, or a later one
+    whose prefill row ends at the prompt's length); None where its first step did not start the prompt afresh
+    (a prefix-cache hit) or the request failed. The step log's arrivals are the trace's requests in arrival order,
+    checked by prompt length."""
+    arrivals = sorted((at, k, step.rows[index]) for k, step in enumerate(steps) for index, at in step.arrivals)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time_s)
     costs: list[float | None] = [None] * len(requests)
-    for i, (arrived_at, (new_tokens, context), result_at) in zip(order, arrivals, strict=False):
-        result = measured["requests"][i]
-        if result["success"] and new_tokens == context == requests[i].prompt_len:
-            costs[i] = (result["ttft"] - (result_at - arrived_at)) * 1000
+    for i, (arrived_at, k, (new_tokens, context)) in zip(order, arrivals, strict=False):
+        result, prompt_len = measured["requests"][i], requests[i].prompt_len
+        if not (result["success"] and new_tokens == context <= prompt_len):
+            continue
+        done = next((step for step in steps[k:] if any(c == prompt_len and (q > 1 or q == c) for q, c in step.rows)),
+                    None)
+        if done is not None:
+            costs[i] = (result["ttft"] - (done.result_at - arrived_at)) * 1000
     return costs
 
 

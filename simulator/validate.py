@@ -55,9 +55,10 @@ def format_table(metrics: dict[str, dict[str, float]]) -> str:
 def format_diagnosis(report: dict[str, Any]) -> str:
     """The step-cost ratio, the request costs and the table simulated with the run's own costs."""
     ratio, request = report["step_cost_ratio"], report["request_cost_ms"]
+    served = "n/a" if request["served"] is None else f"{request['served']:.1f} ms"
     return (f"served steps took {ratio['all']:.2f}x the fit's prices (median of {ratio['num_steps']}; decode-only "
-            f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); a request cost {request['served']:.1f} "
-            f"ms outside the engine (the fit: {request['fit']:.1f}); simulated with this run's own costs:\n"
+            f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); a request cost {served} outside the "
+            f"engine (the fit: {request['fit']:.1f} ms); simulated with this run's own costs:\n"
             + format_table(report["metrics_with_served_steps"]))
 
 
@@ -141,7 +142,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
              calibrate_first: bool = True) -> dict[str, Any]:
     """Profile (when no profile is given) and calibrate (when the fit has no serving calibration and
     ``calibrate_first``), then measure and simulate ``trace``; writes and returns the comparison."""
-    from ksana.simulator.calibrate import calibrate, median_cost, request_costs_ms
+    from ksana.simulator.calibrate import calibrate, median_cost, probe_phases_for, request_costs_ms
     from ksana.simulator.fit import fit_step_log, load_fit
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
@@ -153,7 +154,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     if profile is None:
         profile = profile_model(model, config_path, overrides, requests, folder, progress)
     if calibrate_first and load_fit(profile).calibration is None:
-        fit, _probe = calibrate(model, profile, config_path, overrides, folder, seed)
+        fit, _probe = calibrate(model, profile, config_path, overrides, folder, seed, probe_phases_for(requests))
         profile = fit.save(folder / "latency_fit_calibrated.json")
     setup = prepare(model, config_path, overrides, profile)  # checks the fit before the server starts
     step_log = folder / "measured_steps.jsonl"
@@ -168,7 +169,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     simulated = simulate(setup)
     metrics = compare(measured, simulated)
     served, steps = fit_step_log(step_log)
-    request_ms = median_cost(request_costs_ms(measured, requests, steps))
+    request_ms = median_cost(request_costs_ms(measured, requests, steps))  # None: no prompt matched
     own_request_ms = setup.fit.serving_request_ms if request_ms is None else max(0.0, request_ms)
     with_served_steps = simulate(attrs.evolve(setup, fit=attrs.evolve(
         setup.fit, serving_worker=served, serving_request_ms=own_request_ms)))
@@ -178,7 +179,8 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
               "serving_request_ms": setup.fit.serving_request_ms,
               "settings": {k: v for k, v in overrides.items() if v is not None}, "num_blocks": num_blocks,
               "step_cost_ratio": step_cost_ratio(setup.fit, steps),
-              "request_cost_ms": {"fit": setup.fit.serving_request_ms, "served": own_request_ms},
+              "request_cost_ms": {"fit": setup.fit.serving_request_ms,
+                                  "served": None if request_ms is None else own_request_ms},
               "metrics_with_served_steps": compare(measured, with_served_steps),
               "measured": measured, "simulated": simulated}
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

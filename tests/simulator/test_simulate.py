@@ -86,21 +86,36 @@ def test_a_requests_cost_outside_the_engine_is_its_client_ttft_less_the_engines(
 
     requests = [TraceRequest(0.0, 100, 4), TraceRequest(1.0, 50, 4), TraceRequest(2.0, 300, 4)]
     # The first request reaches the scheduler at 10.01 and its prompt's step returns at 10.10; the second's prompt
-    # is computed beside a decode row; the third's first step is a chunk of its prompt, so its TTFT is not one step's.
+    # is computed beside a decode row; the third's in two chunks, the second of which returns at 12.75.
     steps = [step(((100, 100),), ((0, 10.01),), 10.02, 10.10),
              step(((1, 101), (50, 50)), ((1, 11.02),), 11.03, 11.08),
-             step(((256, 256),), ((0, 12.01),), 12.02, 12.50)]
+             step(((256, 256),), ((0, 12.01),), 12.02, 12.50),
+             step(((1, 51), (44, 300)), (), 12.51, 12.75)]
     measured = {"requests": [{"success": True, "ttft": 0.12}, {"success": True, "ttft": 0.09},
-                             {"success": True, "ttft": 0.70}]}
+                             {"success": True, "ttft": 0.80}]}
     costs = request_costs_ms(measured, requests, steps)
-    assert costs[0] == pytest.approx(120 - 90) and costs[1] == pytest.approx(90 - 60) and costs[2] is None
+    assert costs == pytest.approx([120 - 90, 90 - 60, 800 - 740])
     assert median_cost(costs) == pytest.approx(30.0)
     assert median_cost([None]) is None
-    # A failed request, or an arrival whose prompt is not the request's (matched out of order), has no cost.
+    # A failed request, an arrival whose prompt is not the request's (matched out of order), a prompt whose last
+    # chunk never ran, or a first step that does not start the prompt afresh (a prefix-cache hit): no cost.
     failed = {"requests": [{"success": False, "ttft": 0.0}, *measured["requests"][1:]]}
     assert request_costs_ms(failed, requests, steps)[0] is None
     swapped = [TraceRequest(0.0, 50, 4), TraceRequest(1.0, 100, 4), requests[2]]
-    assert request_costs_ms(measured, swapped, steps) == [None, None, None]
+    assert request_costs_ms(measured, swapped, steps)[:2] == [None, None]
+    assert request_costs_ms(measured, requests, steps[:3])[2] is None
+    cached = [step(((36, 100),), ((0, 10.01),), 10.02, 10.10), *steps[1:]]
+    assert request_costs_ms(measured, requests, cached)[0] is None
+
+
+def test_the_probe_burst_widens_to_cover_the_trace():
+    from ksana.simulator.calibrate import PROBE_PHASES, probe_phases_for
+
+    light, burst = probe_phases_for([TraceRequest(0.0, 1500, 16), TraceRequest(1.0, 700, 300)])
+    assert light == PROBE_PHASES[0]
+    assert burst["input_len"] == (PROBE_PHASES[1]["input_len"][0], 1500)
+    assert burst["output_len"] == (16, 300)
+    assert probe_phases_for([TraceRequest(0.0, 100, 70)]) == PROBE_PHASES  # inside the probe's ranges
 
 
 def test_arrivals_wait_for_the_running_step(tmp_path, identity):
