@@ -1,5 +1,5 @@
-"""Native CPU kernels (C + OpenMP, as typed torch operators) for the decoder's ops, and on AVX2 and AVX-512 its
-matmuls.
+"""Native CPU kernels (C++ over one vector abstraction, and C, with OpenMP; typed torch operators) for the
+decoder's ops, and on AVX2 and AVX-512 its matmuls.
 
 On a small CPU the eager torch reference spends most of a decode step outside the matmuls: dozens of tiny ops
 per layer, each paying dispatch and a thread-pool wake-up, and decode attention that copies every sequence's

@@ -3,7 +3,8 @@
 // Two passes (scores, then the weighted sum of values) keep the softmax exact without rescaling. As in SDPA's
 // bfloat16 kernel, the unnormalised probabilities are rounded to bfloat16 before they weight V (the sum that
 // normalises them is not), so bfloat16 models follow transformers' rounding. decode_plan.h says how a step splits
-// into tasks; the fused decode step (ksana_cpu.c) runs these tasks from its own thread team. One task template
+// into tasks (decode_plan.cpp plans them and combines split ones); the fused decode step (ksana_cpu.c) runs these
+// tasks from its own thread team; decode_prefetch.h fetches a task's rows ahead. One task template
 // serves every instruction set: its lanes and the few choices that differ between 8 and 16 lanes (tile sizes,
 // query heads per block, prefetch distances) come from a policy. Measured by bench/kernel_ops.py (paged decode)
 // and bench/roofline.py (decode at batch 1); the tuning tools are tools/attention_ab.py and tools/decode_ab.py.
@@ -13,73 +14,11 @@
 #include <cstring>
 
 #include "decode_plan.h"
+#include "decode_prefetch.h"
 #include "vec.h"
-
-// Worth waking the pool: context positions x query heads x head_dim. Waking it for a small batch's attention costs
-// a time slice when the server's loop holds a core (bench/serving_vs_offline.py).
-#define PARALLEL_MIN_ATTENTION_WORK (1 << 20)
-// Lower where few sequences' tasks split: there both threads halve a long context's attention, worth waking the
-// pool for at batch 1 (bench/roofline.py's decode); the same threshold for every batch slows serving's many small
-// steps (bench/serving_vs_offline.py).
-#define PARALLEL_MIN_SPLIT_WORK (1 << 18)
-// Few long sequences split into about 8 tasks a thread of at least 128 positions each (bench/roofline.py's decode
-// at batch 1, context 512: its attention 2.3-2.6 ms a step whole, 1.7-1.9 split).
-#define DECODE_SPLIT_TASKS 8
-#define DECODE_SPLIT_MIN 128
 
 namespace ksana {
 namespace {
-
-// A decode task's software prefetch. The task reads its rows in units of (tile, KV head), keys then values, and
-// while it computes on one unit it fetches a later one into L2, a share of a row per loop iteration, so that the
-// requests go out evenly over the unit's work (every pass over it, not only the first's). The hardware prefetcher
-// alone leaves the arithmetic waiting on its rows, and a prefetch a fixed distance ahead from the first query head
-// only sends the requests in bursts (tools/attention_ab.py). `step`: rows per iteration, 16.16 fixed point.
-template <typename T>
-struct DecodePrefetch {
-    const T *base = nullptr;
-    const int64_t *rows = nullptr;
-    int64_t step = 0, at = 0, dim = 0, tile = 0;
-    int64_t leave_after = 0;  // > 0: after this many units in a row that follow the one before in memory, the
-                              // next such are left to the hardware
-    int64_t run = 0;          // how many units in a row have followed the one before in memory
-    int64_t ahead = 1;        // the target: this many units after the one computed on
-    int streamed = 0;         // bit i: unit i + 1 from the one computed on is left to the hardware
-
-    void next() {
-        for (int64_t r = (at * step) >> 16, r1 = ((at + 1) * step) >> 16; r < r1; r++)
-            for (int64_t d = 0; d < dim; d += 64 / static_cast<int64_t>(sizeof(T)))
-                __builtin_prefetch(base + rows[r] + d, 0, 2);  // into L2 (prefetcht1)
-        at++;
-    }
-
-    // The unit `ahead` after tile t's KV head h of pass v (0 keys, 1 values; none after the last), over `iters`;
-    // none either where the hardware streams it (leave_after).
-    void plan(const T *k_cache, const T *v_cache, const int64_t *kv_rows, int64_t n, int64_t nkv,
-              int64_t head_stride, int64_t t, int64_t h, int v, int64_t iters) {
-        int64_t tiles = (n + tile - 1) / tile, count = 0;
-        const T *end = nullptr;  // where the unit before the target ends
-        for (int64_t u = 0; u < ahead && v < 2; u++) {
-            int64_t last = (t + 1) * tile < n ? (t + 1) * tile - 1 : n - 1;
-            end = (v ? v_cache : k_cache) + h * head_stride + kv_rows[last] + dim;
-            if (++h == nkv) h = 0, t++;
-            if (t == tiles) t = 0, v++;
-        }
-        int64_t t0 = t * tile;
-        if (v < 2) count = n - t0 < tile ? n - t0 : tile;
-        base = (v ? v_cache : k_cache) + h * head_stride;
-        rows = kv_rows + t0;
-        int is_streamed = 0;
-        if (leave_after && count) {
-            run = base + rows[0] == end ? run + 1 : 0;
-            is_streamed = run > leave_after;
-            count = is_streamed ? 0 : count;
-        }
-        streamed = (streamed >> 1) | is_streamed << (ahead - 1);
-        step = iters ? (count << 16) / iters : 0;
-        at = 0;
-    }
-};
 
 // The 8-lane task (AVX2, NEON, portable). Tiles of 32 positions (16, 64 and 128 read cold KV slower;
 // tools/attention_ab.py); at head size 64 (rows in address order) a task of 512 positions or more takes tiles of
@@ -496,33 +435,14 @@ void run_task(const decode_plan *plan, int64_t task, const T *q, int64_t q_strid
         decode_task_scalar(w.qf, k_cache, v_cache, w, n, heads, group, dim, plan->head_stride, scale, o, part);
 }
 
-// One whole task's output from its split parts: out = sum_c w_c acc_c / sum_c w_c sum_c, w_c = e^(max_c - max);
-// an empty chunk weighs 0.
-template <typename T>
-void combine(const decode_plan *plan, int64_t whole, const float *parts, T *out, int64_t nheads, int64_t dim) {
-    const int64_t splits = plan->splits, part_len = plan->part_len, heads = plan->heads_per_task;
-    const int64_t b = whole / plan->tasks_per_seq, kv0 = (whole % plan->tasks_per_seq) * plan->kv_per_task;
-    T *o = out + (b * nheads + kv0 * plan->group) * dim;
-    const float *whole_parts = parts + whole * splits * part_len;
-    float stack[512];
-    float *sum_v = dim <= 512 ? stack : static_cast<float *>(std::malloc(sizeof(float) * dim));
-    for (int64_t g = 0; g < heads; g++) {
-        float top = -INFINITY, total = 0.f;
-        for (int64_t c = 0; c < splits; c++)
-            top = whole_parts[c * part_len + g] > top ? whole_parts[c * part_len + g] : top;
-        for (int64_t d = 0; d < dim; d++) sum_v[d] = 0.f;
-        for (int64_t c = 0; c < splits; c++) {
-            const float *part = whole_parts + c * part_len;
-            if (part[g] == -INFINITY) continue;
-            float wc = std::exp(part[g] - top);
-            total += wc * part[heads + g];
-            const float *acc = part + 2 * heads + g * dim;
-            for (int64_t d = 0; d < dim; d++) sum_v[d] += wc * acc[d];
-        }
-        float inv = total > 0.f ? 1.0f / total : 0.f;
-        for (int64_t d = 0; d < dim; d++) store1(o + g * dim + d, sum_v[d] * inv);
-    }
-    if (sum_v != stack) std::free(sum_v);
+// The C entry that combines a whole task's split parts (decode_plan.cpp), for either dtype.
+inline void combine(const decode_plan *plan, int64_t whole, const float *parts, float *out, int64_t nheads,
+                    int64_t dim) {
+    decode_combine_f32(plan, whole, parts, out, nheads, dim);
+}
+inline void combine(const decode_plan *plan, int64_t whole, const float *parts, bf16 *out, int64_t nheads,
+                    int64_t dim) {
+    decode_combine_bf16(plan, whole, parts, out, nheads, dim);
 }
 
 template <typename T>
@@ -549,33 +469,6 @@ void paged_decode(const T *q, int64_t q_stride, const T *k_cache, const T *v_cac
 using ksana::bf16;
 
 extern "C" {
-decode_plan plan_decode(const int64_t *seq_lens, int64_t batch, int64_t nheads, int64_t nkv, int64_t dim,
-                        int64_t window, int64_t slot_stride, int64_t head_stride, int nthreads) {
-    decode_plan plan{};
-    plan.group = nheads / nkv, plan.row = nkv * dim, plan.slot_stride = slot_stride, plan.head_stride = head_stride;
-    int64_t positions = 0, longest = 0;
-    for (int64_t b = 0; b < batch; b++) {
-        int64_t n = (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];
-        positions += n;
-        longest = n > longest ? n : longest;
-    }
-    plan.kv_per_task = batch >= 2 * nthreads ? nkv : 1;
-    plan.parallel = nthreads > 1 && positions * nheads * dim >= (plan.kv_per_task == 1 ? PARALLEL_MIN_SPLIT_WORK
-                                                                                       : PARALLEL_MIN_ATTENTION_WORK);
-    plan.tasks_per_seq = nkv / plan.kv_per_task;
-    plan.heads_per_task = plan.kv_per_task * plan.group;
-    plan.whole_tasks = batch * plan.tasks_per_seq;
-    plan.splits = 1;
-    if (plan.parallel && plan.kv_per_task == 1) {
-        int64_t wanted = (DECODE_SPLIT_TASKS * nthreads + plan.whole_tasks - 1) / plan.whole_tasks;
-        int64_t most = longest / DECODE_SPLIT_MIN;
-        plan.splits = wanted < most ? wanted : most;
-        plan.splits = plan.splits < 1 ? 1 : plan.splits;
-    }
-    plan.part_len = plan.heads_per_task * (2 + dim);
-    return plan;
-}
-
 void decode_run_task_f32(const decode_plan *plan, int64_t task, const float *q, int64_t q_stride,
                          const float *k_cache, const float *v_cache, const int64_t *block_tables,
                          int64_t table_stride, const int64_t *seq_lens, float *out, int64_t nheads, int64_t dim,
@@ -589,14 +482,6 @@ void decode_run_task_bf16(const decode_plan *plan, int64_t task, const bf16 *q, 
                           int64_t block_size, float scale, int64_t window, float *parts) {
     ksana::run_task(plan, task, q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, nheads, dim,
                     block_size, scale, window, parts);
-}
-void decode_combine_f32(const decode_plan *plan, int64_t whole, const float *parts, float *out, int64_t nheads,
-                        int64_t dim) {
-    ksana::combine(plan, whole, parts, out, nheads, dim);
-}
-void decode_combine_bf16(const decode_plan *plan, int64_t whole, const float *parts, bf16 *out, int64_t nheads,
-                         int64_t dim) {
-    ksana::combine(plan, whole, parts, out, nheads, dim);
 }
 void paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                       const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, float *out,
