@@ -94,59 +94,69 @@ inline void qk_block(const float *q, const T *kc, const int64_t *rows, int64_t c
     }
 }
 
+// a[b][p] += query chunk b . the first `chunks` vectors of row k (all CH of them unrolled, as most rows go).
+template <typename V, typename T, int QB, int CH>
+inline void dot_row(const V (&qv)[QB][CH], const T *k, int chunks, V (&a)[QB][4], int p) {
+    if (chunks == CH) {
+        #pragma GCC unroll 8
+        for (int c = 0; c < CH; c++) {
+            V x = V::load(k + c * V::lanes);
+            #pragma GCC unroll 4
+            for (int b = 0; b < QB; b++) a[b][p] = V::fma(qv[b][c], x, a[b][p]);
+        }
+        return;
+    }
+    for (int c = 0; c < chunks; c++) {
+        V x = V::load(k + c * V::lanes);
+        #pragma GCC unroll 4
+        for (int b = 0; b < QB; b++) a[b][p] = V::fma(qv[b][c], x, a[b][p]);
+    }
+}
+
 // qk_block's sums in the same order, with each row read whole (`CH` vectors at a time) before the next: what the
-// hardware prefetcher streams. The same prefetch count as qk_block, spread over the rows.
+// hardware prefetcher streams. The same prefetch count as qk_block, spread over the rows. A query of CH vectors is
+// loaded once, outside the block loop: loaded inside it under a condition, it leaves the registers (3x slower).
 template <typename V, typename T, int QB, int CH>
 inline void qk_rows(const float *q, const T *kc, const int64_t *rows, int64_t count, int64_t dim, float scale,
                     float *s, int64_t n, float (*vmax)[4], DecodePrefetch<T> &pf) {
     constexpr int64_t W = V::lanes;
     const int64_t fetches = (dim + 15) / 16, per_row = fetches / 4;
-    if (dim == CH * W) {  // the query in registers for every block, each row in one go
-        V qv[QB][CH];
+    const auto zeroed = [](V (&a)[QB][4]) {
         #pragma GCC unroll 4
+        for (int b = 0; b < QB; b++) a[b][0] = a[b][1] = a[b][2] = a[b][3] = V::zero();
+    };
+    if (dim == CH * W) {
+        V qv[QB][CH];
         for (int b = 0; b < QB; b++)
-            #pragma GCC unroll 8
             for (int c = 0; c < CH; c++) qv[b][c] = V::load(q + b * dim + c * W);
         for (int64_t i = 0; i < count; i += 4) {
             V a[QB][4];
+            zeroed(a);
+            constexpr int64_t row_fetches = (CH * W + 15) / 16;  // this branch's `fetches`, known here
             #pragma GCC unroll 4
             for (int p = 0; p < 4; p++) {
-                for (int64_t f = 0; f < per_row; f++) pf.next();
-                const T *k = kc + rows[i + p];
                 #pragma GCC unroll 4
-                for (int b = 0; b < QB; b++) a[b][p] = V::zero();
-                #pragma GCC unroll 8
-                for (int c = 0; c < CH; c++) {
-                    V x = V::load(k + c * W);
-                    #pragma GCC unroll 4
-                    for (int b = 0; b < QB; b++) a[b][p] = V::fma(qv[b][c], x, a[b][p]);
-                }
+                for (int64_t f = 0; f < row_fetches / 4; f++) pf.next();
+                dot_row<V, T, QB, CH>(qv, kc + rows[i + p], CH, a, p);
             }
-            for (int64_t f = 4 * per_row; f < fetches; f++) pf.next();
+            for (int64_t f = row_fetches / 4 * 4; f < row_fetches; f++) pf.next();
             store_scores<V, QB>(a, scale, s + i, n, vmax);
         }
         return;
     }
     for (int64_t i = 0; i < count; i += 4) {
         V a[QB][4];
-        #pragma GCC unroll 4
-        for (int b = 0; b < QB; b++) a[b][0] = a[b][1] = a[b][2] = a[b][3] = V::zero();
+        zeroed(a);
         for (int64_t d0 = 0; d0 < dim; d0 += CH * W) {
             const int chunks = static_cast<int>((dim - d0 < CH * W ? dim - d0 : CH * W) / W);
             V qv[QB][CH];
-            #pragma GCC unroll 4
             for (int b = 0; b < QB; b++)
                 for (int c = 0; c < CH; c++) qv[b][c] = c < chunks ? V::load(q + b * dim + d0 + c * W) : V::zero();
             #pragma GCC unroll 4
             for (int p = 0; p < 4; p++) {
                 if (d0 == 0)
                     for (int64_t f = 0; f < per_row; f++) pf.next();
-                const T *k = kc + rows[i + p] + d0;
-                for (int c = 0; c < chunks; c++) {
-                    V x = V::load(k + c * W);
-                    #pragma GCC unroll 4
-                    for (int b = 0; b < QB; b++) a[b][p] = V::fma(qv[b][c], x, a[b][p]);
-                }
+                dot_row<V, T, QB, CH>(qv, kc + rows[i + p] + d0, chunks, a, p);
             }
         }
         for (int64_t f = 4 * per_row; f < fetches; f++) pf.next();
