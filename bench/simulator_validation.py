@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {num} requests at {rate}/s (burstiness {burstiness}), prompts {input_len}, outputs "
               f"{output_len}, settings {settings or 'default'}", flush=True)
         report = validate(model, trace, profile, None, settings, work / f"validation_{name}.json", progress=False)
-        # The first run's perf fit serves the others, calibrated again before each trace: a served step's cost on a
-        # shared machine drifts within minutes (the row's step-cost ratio), so each calibration runs just before
-        # its measurement. A fit given with --profile that is calibrated already serves every trace as it is.
+        # The first run's perf fit serves the others, calibrated again for each trace on the server that measures
+        # it: a served step's cost on a shared machine drifts from one server and minute to the next (the row's
+        # step-cost ratio). A fit given with --profile that is calibrated already serves every trace as it is.
         if profile is None:
             profile = work / f"validation_{name}" / "latency_fit.json"
         print(format_table(report["metrics"]), flush=True)

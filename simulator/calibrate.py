@@ -92,22 +92,12 @@ def median_cost(costs: Sequence[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def calibrate(model: str, profile: str | Path, config_path: str | None, overrides: dict[str, Any],
-              folder: Path, seed: int = 0,
-              phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> tuple[Any, dict[str, Any]]:
-    """The fit with its ``serving_worker`` fitted on a probe's step log and its ``serving_request_ms`` measured on
-    the probe's first tokens (the light phase's median); and the probe's report. ``phases``: the probe's (``PROBE_PHASES``)."""
-    from ksana.simulator.fit import fit_step_log
-    from ksana.simulator.simulate import prepare
-    from ksana.simulator.validate import measure, server_flags
+def calibrated(fit: Any, requests: Sequence[TraceRequest], measured: dict[str, Any], steps: Sequence[Any],
+               phases: tuple[dict[str, Any], ...], overrides: dict[str, Any], trace: Path, step_log: Path) -> Any:
+    """``fit`` with its ``serving_worker`` fitted on a probe's logged steps and its ``serving_request_ms`` measured
+    on the probe's first tokens (the light phase's median)."""
+    from ksana.simulator.fit import fit_logged_steps
 
-    folder.mkdir(parents=True, exist_ok=True)
-    requests = probe_trace(phases)
-    trace = write_trace(folder / "calibration_probe.jsonl", requests)
-    step_log = folder / "calibration_steps.jsonl"
-    setup = prepare(model, config_path, overrides, profile)  # the fit must match the model before a server starts
-    measured, _num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
-    serving_worker, steps = fit_step_log(step_log)
     costs = request_costs_ms(measured, requests, steps)
     by_phase = [{"median_ms": median_cost([costs[i] for i in phase]),
                  "num_requests": sum(costs[i] is not None for i in phase)} for phase in probe_phases(phases)]
@@ -117,6 +107,24 @@ def calibrate(model: str, profile: str | Path, config_path: str | None, override
                    "settings": {k: v for k, v in overrides.items() if v is not None},
                    "request_cost_ms_by_phase": by_phase,
                    "measured_output_throughput": measured["output_throughput"]}
-    fit = attrs.evolve(setup.fit, serving_worker=serving_worker, serving_request_ms=max(0.0, request_ms),
-                       calibration=calibration)
+    return attrs.evolve(fit, serving_worker=fit_logged_steps(steps), serving_request_ms=max(0.0, request_ms),
+                        calibration=calibration)
+
+
+def calibrate(model: str, profile: str | Path, config_path: str | None, overrides: dict[str, Any],
+              folder: Path, seed: int = 0,
+              phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> tuple[Any, dict[str, Any]]:
+    """The fit calibrated on a probe served on its own (``calibrated``), and the probe's report. ``phases``: the
+    probe's (``PROBE_PHASES``)."""
+    from ksana.scheduler.step_log import read_step_log
+    from ksana.simulator.simulate import prepare
+    from ksana.simulator.validate import measure, server_flags
+
+    folder.mkdir(parents=True, exist_ok=True)
+    requests = probe_trace(phases)
+    trace = write_trace(folder / "calibration_probe.jsonl", requests)
+    step_log = folder / "calibration_steps.jsonl"
+    setup = prepare(model, config_path, overrides, profile)  # the fit must match the model before a server starts
+    measured, _num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
+    fit = calibrated(setup.fit, requests, measured, read_step_log(step_log), phases, overrides, trace, step_log)
     return fit, measured

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import orjson
 
-from ksana.scheduler.step_log import LoggedStep, read_step_log
+from ksana.scheduler.step_log import LoggedStep
 from ksana.simulator.features import BASELINE_FEATURES, FEATURES, StepShape, feature_matrix
 from ksana.simulator.latency_model import (
     HeldOutError,
@@ -130,10 +130,9 @@ def fit_steps(shapes: Sequence[StepShape], worker_ms: Sequence[float]) -> Fitted
     return _fit_one(feature_matrix(shapes), list(worker_ms), FEATURES)
 
 
-def fit_step_log(path: str | Path) -> tuple[FittedModel, list[LoggedStep]]:
-    """``ksana serve --step-log``'s steps and the worker's time per step fitted on them."""
-    steps = read_step_log(path)
-    return fit_steps([StepShape(step.rows) for step in steps], [step.duration_s * 1000 for step in steps]), steps
+def fit_logged_steps(steps: Sequence[LoggedStep]) -> FittedModel:
+    """The worker's time per step fitted on steps from ``ksana serve --step-log``."""
+    return fit_steps([StepShape(step.rows) for step in steps], [step.duration_s * 1000 for step in steps])
 
 
 def load_fit(path: str | Path) -> LatencyFit:

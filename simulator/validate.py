@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,10 +120,13 @@ def step_cost_ratio(fit: Any, steps: list[Any]) -> dict[str, float | int]:
             "num_steps": len(steps)}
 
 
-def measure(model: str, flags: list[str], trace: Path, seed: int,
-            step_log: Path | None = None) -> tuple[dict[str, Any], int]:
-    """Serve the model (writing its step log to ``step_log``, if given), replay the trace with the load generator;
-    its summary and the server's KV pool size."""
+def measure_in_turn(model: str, flags: list[str], traces: Sequence[Path], seed: int,
+                    step_log: Path | None = None) -> tuple[list[dict[str, Any]], int, list[float]]:
+    """Serve the model once (writing its step log to ``step_log``, if given) and replay ``traces`` one after the
+    other with the load generator, each when the one before has finished; their summaries, the server's KV pool
+    size, and when each replay began (``time.monotonic()``, the step log's clock)."""
+    import time
+
     import httpx2
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,16 +138,37 @@ def measure(model: str, flags: list[str], trace: Path, seed: int,
         metrics = httpx2.get(server.url + "/metrics", timeout=30).text
         num_blocks = next(int(s.value) for family in text_string_to_metric_families(metrics)
                           for s in family.samples if s.name == "block_manager_total_block_num")
-        return replay_trace(server.url, trace, seed, tuple(PERCENTILES)), num_blocks
+        summaries, began = [], []
+        for trace in traces:
+            began.append(time.monotonic())
+            summaries.append(replay_trace(server.url, trace, seed, tuple(PERCENTILES)))
+        return summaries, num_blocks, began
+
+
+def measure(model: str, flags: list[str], trace: Path, seed: int,
+            step_log: Path | None = None) -> tuple[dict[str, Any], int]:
+    """Serve the model and replay one trace: its summary and the server's KV pool size."""
+    summaries, num_blocks, _ = measure_in_turn(model, flags, [trace], seed, step_log)
+    return summaries[0], num_blocks
 
 
 def validate(model: str, trace: str | Path, profile: str | Path | None, config_path: str | None,
              overrides: dict[str, Any], out: str | Path, seed: int = 0, progress: bool = True,
-             calibrate_first: bool = True) -> dict[str, Any]:
-    """Profile (when no profile is given) and calibrate (when the fit has no serving calibration and
-    ``calibrate_first``), then measure and simulate ``trace``; writes and returns the comparison."""
-    from ksana.simulator.calibrate import calibrate, median_cost, probe_phases_for, request_costs_ms
-    from ksana.simulator.fit import fit_step_log, load_fit
+             calibrate_first: bool = True,
+             probe_phases: tuple[dict[str, Any], ...] | None = None) -> dict[str, Any]:
+    """Profile (when no profile is given), measure ``trace`` (after a calibration probe on the same server, when
+    the fit has no serving calibration and ``calibrate_first``; ``probe_phases``: the probe's, by default
+    ``PROBE_PHASES`` widened to the trace's lengths), and simulate it; writes and returns the comparison."""
+    from ksana.bench.trace import write_trace
+    from ksana.scheduler.step_log import read_step_log
+    from ksana.simulator.calibrate import (
+        calibrated,
+        median_cost,
+        probe_phases_for,
+        probe_trace,
+        request_costs_ms,
+    )
+    from ksana.simulator.fit import fit_logged_steps
     from ksana.simulator.report import build_report
     from ksana.simulator.simulate import prepare, run_simulation
 
@@ -153,12 +178,24 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     folder.mkdir(parents=True, exist_ok=True)
     if profile is None:
         profile = profile_model(model, config_path, overrides, requests, folder, progress)
-    if calibrate_first and load_fit(profile).calibration is None:
-        fit, _probe = calibrate(model, profile, config_path, overrides, folder, seed, probe_phases_for(requests))
-        profile = fit.save(folder / "latency_fit_calibrated.json")
     setup = prepare(model, config_path, overrides, profile)  # checks the fit before the server starts
-    step_log = folder / "measured_steps.jsonl"
-    measured, num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
+    step_log, flags = folder / "measured_steps.jsonl", server_flags(overrides, config_path)
+    if calibrate_first and setup.fit.calibration is None:
+        # the probe, then the trace, on one server: the steps that set the prices run in the same process, just
+        # before the steps they price (a served step's cost drifts from one server and minute to the next)
+        phases = probe_phases or probe_phases_for(requests)
+        probe_requests = probe_trace(phases)
+        probe = write_trace(folder / "calibration_probe.jsonl", probe_requests)
+        (probed, measured), num_blocks, (_, trace_began) = measure_in_turn(model, flags, [probe, trace], seed,
+                                                                           step_log)
+        logged = read_step_log(step_log)
+        steps = [step for step in logged if step.planned_at >= trace_began]
+        probe_steps = logged[: len(logged) - len(steps)]
+        fit = calibrated(setup.fit, probe_requests, probed, probe_steps, phases, overrides, probe, step_log)
+        profile = fit.save(folder / "latency_fit_calibrated.json")
+    else:
+        measured, num_blocks = measure(model, flags, trace, seed, step_log)
+        steps = read_step_log(step_log)
     setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
 
     def simulate(setup_) -> dict[str, Any]:
@@ -168,7 +205,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
 
     simulated = simulate(setup)
     metrics = compare(measured, simulated)
-    served, steps = fit_step_log(step_log)
+    served = fit_logged_steps(steps)
     request_ms = median_cost(request_costs_ms(measured, requests, steps))  # None: no prompt matched
     own_request_ms = setup.fit.serving_request_ms if request_ms is None else max(0.0, request_ms)
     with_served_steps = simulate(attrs.evolve(setup, fit=attrs.evolve(

@@ -7,10 +7,11 @@ import statistics
 
 import pytest
 
-from ksana.bench.trace import synthetic_trace, write_trace
+from ksana.bench.trace import read_trace, synthetic_trace, write_trace
 from ksana.scheduler.step_log import read_step_log
 from ksana.simulator.calibrate import calibrate
 from ksana.simulator.features import StepShape
+from ksana.simulator.fit import load_fit
 from ksana.simulator.validate import METRICS, validate
 from tests.simulator.fits import demo_identity, linear_fit
 
@@ -54,3 +55,20 @@ def test_validation_reports_the_step_prices_and_the_run_with_its_own_step_costs(
     assert report["request_cost_ms"]["fit"] == 0.0 and report["request_cost_ms"]["served"] >= 0.0
     with_fit, with_served = report["metrics"]["e2el_p50_ms"], report["metrics_with_served_steps"]["e2el_p50_ms"]
     assert with_served["rel_error"] < with_fit["rel_error"]
+
+
+def test_validation_calibrates_on_the_server_it_measures(tmp_path, slow_fit):
+    """An uncalibrated fit: the probe, then the trace, on one server; the probe's steps price the simulation and
+    the trace's alone are compared with the prices."""
+    trace = write_trace(tmp_path / "trace.jsonl", synthetic_trace(6, 30.0, (8, 48), (4, 12), seed=6))
+    report = validate("demo", trace, slow_fit, None, {"dtype": "float32"}, tmp_path / "validation.json",
+                      progress=False, probe_phases=SMALL_PROBE)
+    logged = read_step_log(tmp_path / "validation" / "measured_steps.jsonl")
+    fit = load_fit(report["profile"])
+    assert fit.calibration is not None and fit.serving_worker is not None
+    probe_steps, trace_steps = fit.calibration["probe"]["num_steps"], report["step_cost_ratio"]["num_steps"]
+    assert probe_steps > 0 and trace_steps > 0 and probe_steps + trace_steps == len(logged)
+    # the trace's steps are the log's last ones: they hold exactly the trace's prompts, first chunk by first chunk
+    prompts = sorted(r.prompt_len for r in read_trace(trace))
+    assert sorted(c for step in logged[probe_steps:] for q, c in step.rows if q == c and q > 1) == prompts
+    assert report["serving_request_ms"] == fit.serving_request_ms >= 0.0
