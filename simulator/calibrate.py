@@ -5,8 +5,8 @@ after each step, and its load generator shares the machine: on a small CPU that 
 a while every step, more with more rows (each row's token is an event, an SSE chunk and a parse in the client);
 and a steady run of steps keeps the forward's threads and caches warm where perf mode's isolated rounds do not. So
 the step costs are measured where they happen: the calibration serves the model with ``--step-log``, replays a
-probe trace of its own (not the trace to be predicted: a light phase, where steps hold a row or two, then a burst,
-where they hold dozens beside prefills), and fits the worker's time per step on the logged steps, the same features
+probe trace of its own (not the trace to be predicted: a burst, where steps hold dozens of rows beside prefills,
+then a light phase, where they hold a row or two), and fits the worker's time per step on the logged steps, the same features
 and non-negative least squares as the perf fit (``serving_worker_ms`` in the fit, with its held-out error).
 
 Each request also spends time outside the engine: in HTTP handling and the client before the scheduler sees it,
@@ -28,13 +28,25 @@ import attrs
 
 from ksana.bench.trace import TraceRequest, synthetic_trace, write_trace
 
-# About a minute and a half with smollm2 on 2 cores: a light phase (one or two rows a step), then a burst that
-# fills steps with up to 48 rows beside prefills.
+# About a minute and a half with smollm2 on 2 cores: a burst that fills steps with up to 48 rows beside prefills,
+# then a light phase (one or two rows a step). The burst goes first: a fresh server's steps run slower for a minute
+# or so (bench/simulator_validation.py's light trace, served after a light-first probe: one-row decode steps 18.8 ms
+# early in the probe, 17.0 in the trace).
 PROBE_PHASES = (
-    {"num": 10, "rate": 0.5, "input_len": (32, 256), "output_len": (32, 128), "burstiness": 1.0, "seed": 7919},
     {"num": 48, "rate": 8.0, "input_len": (64, 512), "output_len": (64, 192), "burstiness": 1.0, "seed": 7920},
+    {"num": 10, "rate": 0.5, "input_len": (32, 256), "output_len": (32, 128), "burstiness": 1.0, "seed": 7919},
 )
-PROBE_GAP_S = 4.0  # between the light phase's last arrival and the burst's first
+PROBE_GAP_S = 4.0  # between one phase's last arrival and the next one's first
+
+
+def burst_phase(phases: Sequence[dict[str, Any]]) -> int:
+    """The index of the probe's busiest phase (the highest rate)."""
+    return max(range(len(phases)), key=lambda i: phases[i]["rate"])
+
+
+def light_phase(phases: Sequence[dict[str, Any]]) -> int:
+    """The index of the probe's lightest phase, where a request's cost is its own."""
+    return min(range(len(phases)), key=lambda i: phases[i]["rate"])
 
 
 def probe_phases_for(requests: Sequence[TraceRequest],
@@ -42,12 +54,13 @@ def probe_phases_for(requests: Sequence[TraceRequest],
     """``phases`` with the burst's prompt and output lengths widened to cover ``requests``' (a trace to be
     predicted): the served step costs are a linear fit, which prices a context longer than the probe's by
     extrapolation; the probe's own requests stay its own."""
-    *first, burst = phases
+    index = burst_phase(phases)
+    burst = phases[index]
     prompts, outputs = [r.prompt_len for r in requests], [r.output_len for r in requests]
     (in_lo, in_hi), (out_lo, out_hi) = burst["input_len"], burst["output_len"]
     widened = {**burst, "input_len": (min(in_lo, *prompts), max(in_hi, *prompts)),
                "output_len": (min(out_lo, *outputs), max(out_hi, *outputs))}
-    return (*first, widened)
+    return (*phases[:index], widened, *phases[index + 1:])
 
 
 def probe_trace(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[TraceRequest]:
@@ -101,7 +114,8 @@ def calibrated(fit: Any, requests: Sequence[TraceRequest], measured: dict[str, A
     costs = request_costs_ms(measured, requests, steps)
     by_phase = [{"median_ms": median_cost([costs[i] for i in phase]),
                  "num_requests": sum(costs[i] is not None for i in phase)} for phase in probe_phases(phases)]
-    request_ms = next((p["median_ms"] for p in by_phase if p["median_ms"] is not None), 0.0)
+    request_ms = by_phase[light_phase(phases)]["median_ms"]
+    request_ms = request_ms if request_ms is not None else median_cost(costs) or 0.0
     calibration = {"probe": {"phases": list(phases), "gap_s": PROBE_GAP_S, "trace": str(trace),
                              "step_log": str(step_log), "num_steps": len(steps)},
                    "settings": {k: v for k, v in overrides.items() if v is not None},

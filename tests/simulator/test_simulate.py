@@ -111,9 +111,10 @@ def test_a_requests_cost_outside_the_engine_is_its_client_ttft_less_the_engines(
 def test_the_probe_burst_widens_to_cover_the_trace():
     from ksana.simulator.calibrate import PROBE_PHASES, probe_phases_for
 
-    light, burst = probe_phases_for([TraceRequest(0.0, 1500, 16), TraceRequest(1.0, 700, 300)])
-    assert light == PROBE_PHASES[0]
-    assert burst["input_len"] == (PROBE_PHASES[1]["input_len"][0], 1500)
+    burst, light = probe_phases_for([TraceRequest(0.0, 1500, 16), TraceRequest(1.0, 700, 300)])
+    assert PROBE_PHASES[0]["rate"] > PROBE_PHASES[1]["rate"]  # the burst warms the server before the light phase
+    assert light == PROBE_PHASES[1]
+    assert burst["input_len"] == (PROBE_PHASES[0]["input_len"][0], 1500)
     assert burst["output_len"] == (16, 300)
     assert probe_phases_for([TraceRequest(0.0, 100, 70)]) == PROBE_PHASES  # inside the probe's ranges
 
