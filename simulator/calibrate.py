@@ -12,13 +12,13 @@ and non-negative least squares as the perf fit (``serving_worker_ms`` in the fit
 Each request also spends time outside the engine: in HTTP handling and the client before the scheduler sees it,
 and after its first token until the client reads it. The step log says when the scheduler received each request
 and when the step that finished its prompt returned, so that cost is measured, not searched for: the client's
-TTFT less the engine's, for each request. The light phase's median is
-``serving_request_ms`` in the fit (a request's own cost; in the burst the queue adds to both sides).
+TTFT less the engine's, for each request. The light phase's median is ``serving_request_ms`` in the fit (a
+request's own cost; in the burst the queue adds to both sides). Each phase is replayed once the one before has
+finished.
 """
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +36,6 @@ PROBE_PHASES = (
     {"num": 48, "rate": 8.0, "input_len": (64, 512), "output_len": (64, 192), "burstiness": 1.0, "seed": 7920},
     {"num": 10, "rate": 0.5, "input_len": (32, 256), "output_len": (32, 128), "burstiness": 1.0, "seed": 7919},
 )
-PROBE_GAP_S = 4.0  # between one phase's last arrival and the next one's first
 
 
 def burst_phase(phases: Sequence[dict[str, Any]]) -> int:
@@ -63,20 +62,23 @@ def probe_phases_for(requests: Sequence[TraceRequest],
     return (*phases[:index], widened, *phases[index + 1:])
 
 
-def probe_trace(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[TraceRequest]:
-    requests: list[TraceRequest] = []
-    start = 0.0
-    for p in phases:
-        phase = synthetic_trace(p["num"], p["rate"], p["input_len"], p["output_len"], p["burstiness"], p["seed"])
-        requests += [attrs.evolve(r, arrival_time_s=round(start + r.arrival_time_s, 6)) for r in phase]
-        start = requests[-1].arrival_time_s + PROBE_GAP_S
-    return requests
+def probe_traces(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[list[TraceRequest]]:
+    """The probe's phases as traces of their own: each is replayed once the one before has finished, so the light
+    phase is light."""
+    return [synthetic_trace(p["num"], p["rate"], p["input_len"], p["output_len"], p["burstiness"], p["seed"])
+            for p in phases]
 
 
-def probe_phases(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[range]:
-    """The probe's requests by phase, as index ranges."""
-    bounds = list(itertools.accumulate(p["num"] for p in phases))
-    return [range(start, end) for start, end in zip([0, *bounds[:-1]], bounds, strict=True)]
+def write_probe(folder: Path, phases: tuple[dict[str, Any], ...]) -> tuple[list[list[TraceRequest]], list[Path]]:
+    """The probe's phase traces, and the files they are written to in ``folder``."""
+    traces = probe_traces(phases)
+    return traces, [write_trace(folder / f"calibration_probe_{i}.jsonl", t) for i, t in enumerate(traces)]
+
+
+def split_steps(steps: Sequence[Any], began: Sequence[float]) -> list[list[Any]]:
+    """Logged steps in windows: the i-th holds those planned from ``began[i]`` until ``began[i + 1]``."""
+    bounds = [*began[1:], float("inf")]
+    return [[step for step in steps if start <= step.planned_at < end] for start, end in zip(began, bounds, strict=True)]
 
 
 def request_costs_ms(measured: dict[str, Any], requests: Sequence[TraceRequest],
@@ -105,40 +107,45 @@ def median_cost(costs: Sequence[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def calibrated(fit: Any, requests: Sequence[TraceRequest], measured: dict[str, Any], steps: Sequence[Any],
-               phases: tuple[dict[str, Any], ...], overrides: dict[str, Any], trace: Path, step_log: Path) -> Any:
-    """``fit`` with its ``serving_worker`` fitted on a probe's logged steps and its ``serving_request_ms`` measured
-    on the probe's first tokens (the light phase's median)."""
+def calibrated(fit: Any, phases: tuple[dict[str, Any], ...], runs: Sequence[tuple[Sequence[TraceRequest],
+               dict[str, Any], Sequence[Any]]], overrides: dict[str, Any], traces: Sequence[Path],
+               step_log: Path) -> Any:
+    """``fit`` with its ``serving_worker`` fitted on the probe's logged steps and its ``serving_request_ms``
+    measured on the probe's first tokens (the light phase's median). ``runs``: per phase, its requests, its
+    load-generator summary and its logged steps."""
     from ksana.simulator.fit import fit_logged_steps
 
-    costs = request_costs_ms(measured, requests, steps)
-    by_phase = [{"median_ms": median_cost([costs[i] for i in phase]),
-                 "num_requests": sum(costs[i] is not None for i in phase)} for phase in probe_phases(phases)]
+    by_phase = []
+    for requests, measured, steps in runs:
+        costs = request_costs_ms(measured, requests, steps)
+        by_phase.append({"median_ms": median_cost(costs), "num_requests": sum(c is not None for c in costs),
+                         "output_throughput": measured["output_throughput"]})
     request_ms = by_phase[light_phase(phases)]["median_ms"]
-    request_ms = request_ms if request_ms is not None else median_cost(costs) or 0.0
-    calibration = {"probe": {"phases": list(phases), "gap_s": PROBE_GAP_S, "trace": str(trace),
-                             "step_log": str(step_log), "num_steps": len(steps)},
+    if request_ms is None:
+        request_ms = next((p["median_ms"] for p in by_phase if p["median_ms"] is not None), 0.0)
+    steps = [step for _, _, phase_steps in runs for step in phase_steps]
+    calibration = {"probe": {"phases": list(phases), "traces": [str(t) for t in traces], "step_log": str(step_log),
+                             "num_steps": len(steps)},
                    "settings": {k: v for k, v in overrides.items() if v is not None},
-                   "request_cost_ms_by_phase": by_phase,
-                   "measured_output_throughput": measured["output_throughput"]}
+                   "phases": by_phase}
     return attrs.evolve(fit, serving_worker=fit_logged_steps(steps), serving_request_ms=max(0.0, request_ms),
                         calibration=calibration)
 
 
 def calibrate(model: str, profile: str | Path, config_path: str | None, overrides: dict[str, Any],
               folder: Path, seed: int = 0,
-              phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> tuple[Any, dict[str, Any]]:
-    """The fit calibrated on a probe served on its own (``calibrated``), and the probe's report. ``phases``: the
-    probe's (``PROBE_PHASES``)."""
+              phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> tuple[Any, list[dict[str, Any]]]:
+    """The fit calibrated on a probe served on its own (``calibrated``), and the probe phases' reports.
+    ``phases``: the probe's (``PROBE_PHASES``)."""
     from ksana.scheduler.step_log import read_step_log
     from ksana.simulator.simulate import prepare
-    from ksana.simulator.validate import measure, server_flags
+    from ksana.simulator.validate import measure_in_turn, server_flags
 
     folder.mkdir(parents=True, exist_ok=True)
-    requests = probe_trace(phases)
-    trace = write_trace(folder / "calibration_probe.jsonl", requests)
+    requests, traces = write_probe(folder, phases)
     step_log = folder / "calibration_steps.jsonl"
     setup = prepare(model, config_path, overrides, profile)  # the fit must match the model before a server starts
-    measured, _num_blocks = measure(model, server_flags(overrides, config_path), trace, seed, step_log)
-    fit = calibrated(setup.fit, requests, measured, read_step_log(step_log), phases, overrides, trace, step_log)
-    return fit, measured
+    measured, _num_blocks, began = measure_in_turn(model, server_flags(overrides, config_path), traces, seed,
+                                                   step_log)
+    runs = list(zip(requests, measured, split_steps(read_step_log(step_log), began), strict=True))
+    return calibrated(setup.fit, phases, runs, overrides, traces, step_log), measured

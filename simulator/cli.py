@@ -181,8 +181,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     fit, measured = calibrate(args.model, args.profile, args.config, config_overrides(args),
                               out.with_suffix(""))
     serving_worker = fit.serving_worker.to_json() if fit.serving_worker is not None else None
-    print(f"serving: {describe_serving(serving_worker, fit.serving_request_ms)} (probe: "
-          f"{measured['completed']} requests, {measured['output_throughput']:.1f} output tok/s)")
+    completed = sum(phase["completed"] for phase in measured)
+    busiest = max(phase["output_throughput"] for phase in measured)
+    print(f"serving: {describe_serving(serving_worker, fit.serving_request_ms)} (probe: {completed} requests, "
+          f"{busiest:.1f} output tok/s at its busiest)")
     print(f"wrote {fit.save(out)}")
     return 0
 

@@ -159,14 +159,14 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     """Profile (when no profile is given), measure ``trace`` (after a calibration probe on the same server, when
     the fit has no serving calibration and ``calibrate_first``; ``probe_phases``: the probe's, by default
     ``PROBE_PHASES`` widened to the trace's lengths), and simulate it; writes and returns the comparison."""
-    from ksana.bench.trace import write_trace
     from ksana.scheduler.step_log import read_step_log
     from ksana.simulator.calibrate import (
         calibrated,
         median_cost,
         probe_phases_for,
-        probe_trace,
         request_costs_ms,
+        split_steps,
+        write_probe,
     )
     from ksana.simulator.fit import fit_logged_steps
     from ksana.simulator.report import build_report
@@ -184,14 +184,12 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
         # the probe, then the trace, on one server: the steps that set the prices run in the same process, just
         # before the steps they price (a served step's cost drifts from one server and minute to the next)
         phases = probe_phases or probe_phases_for(requests)
-        probe_requests = probe_trace(phases)
-        probe = write_trace(folder / "calibration_probe.jsonl", probe_requests)
-        (probed, measured), num_blocks, (_, trace_began) = measure_in_turn(model, flags, [probe, trace], seed,
-                                                                           step_log)
-        logged = read_step_log(step_log)
-        steps = [step for step in logged if step.planned_at >= trace_began]
-        probe_steps = logged[: len(logged) - len(steps)]
-        fit = calibrated(setup.fit, probe_requests, probed, probe_steps, phases, overrides, probe, step_log)
+        probe_requests, probe = write_probe(folder, phases)
+        summaries, num_blocks, began = measure_in_turn(model, flags, [*probe, trace], seed, step_log)
+        *windows, steps = split_steps(read_step_log(step_log), began)
+        *probed, measured = summaries
+        fit = calibrated(setup.fit, phases, list(zip(probe_requests, probed, windows, strict=True)), overrides,
+                         probe, step_log)
         profile = fit.save(folder / "latency_fit_calibrated.json")
     else:
         measured, num_blocks = measure(model, flags, trace, seed, step_log)
