@@ -69,9 +69,18 @@ def probe_traces(phases: tuple[dict[str, Any], ...] = PROBE_PHASES) -> list[list
             for p in phases]
 
 
+def warmup_phase(phases: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """Served before the probe, its steps unused: a fresh server's steps run slower for its first minute or so
+    (bench/simulator_validation.py: whichever probe phase came first priced the trace's steps 9% dear; one-row
+    decode steps 18.8 ms early and 17.0 later), so the probe's steps come from a warm one. The burst's shape, two
+    thirds of its requests, a seed of its own."""
+    burst = phases[burst_phase(phases)]
+    return {**burst, "num": max(1, burst["num"] * 2 // 3), "seed": burst["seed"] + 1000}
+
+
 def write_probe(folder: Path, phases: tuple[dict[str, Any], ...]) -> tuple[list[list[TraceRequest]], list[Path]]:
-    """The probe's phase traces, and the files they are written to in ``folder``."""
-    traces = probe_traces(phases)
+    """The warm-up's and the probe's phase traces, and the files they are written to in ``folder``."""
+    traces = probe_traces((warmup_phase(phases), *phases))
     return traces, [write_trace(folder / f"calibration_probe_{i}.jsonl", t) for i, t in enumerate(traces)]
 
 
@@ -147,5 +156,5 @@ def calibrate(model: str, profile: str | Path, config_path: str | None, override
     setup = prepare(model, config_path, overrides, profile)  # the fit must match the model before a server starts
     measured, _num_blocks, began = measure_in_turn(model, server_flags(overrides, config_path), traces, seed,
                                                    step_log)
-    runs = list(zip(requests, measured, split_steps(read_step_log(step_log), began), strict=True))
-    return calibrated(setup.fit, phases, runs, overrides, traces, step_log), measured
+    runs = list(zip(requests, measured, split_steps(read_step_log(step_log), began), strict=True))[1:]  # warm-up
+    return calibrated(setup.fit, phases, runs, overrides, traces[1:], step_log), measured[1:]

@@ -186,10 +186,10 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
         phases = probe_phases or probe_phases_for(requests)
         probe_requests, probe = write_probe(folder, phases)
         summaries, num_blocks, began = measure_in_turn(model, flags, [*probe, trace], seed, step_log)
-        *windows, steps = split_steps(read_step_log(step_log), began)
-        *probed, measured = summaries
-        fit = calibrated(setup.fit, phases, list(zip(probe_requests, probed, windows, strict=True)), overrides,
-                         probe, step_log)
+        _warmup, *windows, steps = split_steps(read_step_log(step_log), began)
+        *probed, measured = summaries[1:]
+        fit = calibrated(setup.fit, phases, list(zip(probe_requests[1:], probed, windows, strict=True)), overrides,
+                         probe[1:], step_log)
         profile = fit.save(folder / "latency_fit_calibrated.json")
     else:
         measured, num_blocks = measure(model, flags, trace, seed, step_log)

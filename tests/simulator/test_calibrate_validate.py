@@ -31,8 +31,9 @@ def slow_fit(tmp_path_factory):
 def test_calibration_prices_steps_from_the_probes_step_log(tmp_path, slow_fit):
     fit, measured = calibrate("demo", slow_fit, None, {"dtype": "float32"}, tmp_path, phases=SMALL_PROBE)
     assert [phase["completed"] for phase in measured] == [p["num"] for p in SMALL_PROBE]
-    steps = read_step_log(fit.calibration["probe"]["step_log"])
-    assert fit.calibration["probe"]["num_steps"] == len(steps) > 0
+    logged = read_step_log(fit.calibration["probe"]["step_log"])
+    steps = logged[-fit.calibration["probe"]["num_steps"]:]  # after the warm-up's
+    assert 0 < len(steps) < len(logged)
     # every probe request's prompt fits one step, so each has a measured cost outside the engine
     by_phase = fit.calibration["phases"]
     assert [p["num_requests"] for p in by_phase] == [p["num"] for p in SMALL_PROBE]
@@ -58,8 +59,8 @@ def test_validation_reports_the_step_prices_and_the_run_with_its_own_step_costs(
 
 
 def test_validation_calibrates_on_the_server_it_measures(tmp_path, slow_fit):
-    """An uncalibrated fit: the probe, then the trace, on one server; the probe's steps price the simulation and
-    the trace's alone are compared with the prices."""
+    """An uncalibrated fit: a warm-up, the probe, then the trace, on one server; the probe's steps price the
+    simulation and the trace's alone are compared with the prices."""
     trace = write_trace(tmp_path / "trace.jsonl", synthetic_trace(6, 30.0, (8, 48), (4, 12), seed=6))
     report = validate("demo", trace, slow_fit, None, {"dtype": "float32"}, tmp_path / "validation.json",
                       progress=False, probe_phases=SMALL_PROBE)
@@ -67,8 +68,8 @@ def test_validation_calibrates_on_the_server_it_measures(tmp_path, slow_fit):
     fit = load_fit(report["profile"])
     assert fit.calibration is not None and fit.serving_worker is not None
     probe_steps, trace_steps = fit.calibration["probe"]["num_steps"], report["step_cost_ratio"]["num_steps"]
-    assert probe_steps > 0 and trace_steps > 0 and probe_steps + trace_steps == len(logged)
-    # the trace's steps are the log's last ones: they hold exactly the trace's prompts, first chunk by first chunk
+    # a warm-up's steps, the probe's, then the trace's: the last ones, which hold exactly the trace's prompts
+    assert probe_steps > 0 and trace_steps > 0 and probe_steps + trace_steps < len(logged)
     prompts = sorted(r.prompt_len for r in read_trace(trace))
-    assert sorted(c for step in logged[probe_steps:] for q, c in step.rows if q == c and q > 1) == prompts
+    assert sorted(c for step in logged[-trace_steps:] for q, c in step.rows if q == c and q > 1) == prompts
     assert report["serving_request_ms"] == fit.serving_request_ms >= 0.0
