@@ -61,7 +61,7 @@ class OpTimer(Protocol):
 @attrs.frozen
 class DecodeLayerWeights:
     """What a fused decode step reads of one decoder layer, in the order of the native table (``decode_layers``
-    in ``kernels/cpu/ksana_cpu.c``); biases may be None, and the backend takes only packed projections."""
+    in ``kernels/cpu/decode_layers.cpp``); biases may be None, and the backend takes only packed projections."""
 
     input_norm: Tensor
     qkv: Weight
@@ -161,7 +161,7 @@ class KernelOps:
     mlp_down: Projection = attrs.field(repr=False, default=F.linear)
     lm_head: Projection = attrs.field(repr=False, default=F.linear)
     # All decoder layers of an all-decode step in one call, where a backend fuses them (the native CPU kernels:
-    # ``decode_layers`` in kernels/cpu/ksana_cpu.c): ``(DecodeLayers, hidden, cos, sin, meta) -> (hidden,
+    # ``decode_layers`` in kernels/cpu/decode_layers.cpp): ``(DecodeLayers, hidden, cos, sin, meta) -> (hidden,
     # residual) | None`` (None: not this step; run the layers one by one). A timed copy drops it, so perf mode
     # times every op.
     decode_layers: DecodeLayersFn | None = attrs.field(repr=False, default=None)

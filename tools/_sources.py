@@ -43,16 +43,16 @@ def build_library(kernels: Path, directory: Path, defines: tuple[str, ...] = ())
     (``torch.ops.ksana_<key>_<directory name>``), so that they sit beside the engine's. Builds are cached by
     content (sources, compiler, flags) in Ksana's cache, so the same sources are compiled once; the copy loaded is
     placed in ``directory`` (a fresh folder), so two builds of one folder are still two libraries."""
-    compiler = build.find_compiler()
-    if compiler is None or build.find_cxx_compiler() is None:
-        raise RuntimeError("no C or C++ compiler found (set CC and CXX, or put cc and c++ on the PATH)")
+    cxx = build.find_cxx_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or put c++ or g++ on the PATH)")
     flags = [*build.compiler_flags(), *(f"-D{name}" for name in defines)]
     key = hashlib.sha256(b"\0".join([build.sources_digest(kernels), build.REGISTRATION.read_bytes(),
-                                      "\0".join([compiler, *build.cxx_flags(flags)]).encode()])).hexdigest()[:16]
+                                      "\0".join([cxx, *build.cxx_flags(flags)]).encode()])).hexdigest()[:16]
 
     def compile_into(tmp: Path) -> None:
         print(f"building {kernels}", flush=True)
-        build.compile_library(compiler, flags, tmp, kernels)
+        build.compile_library(flags, tmp, kernels)
 
     cached = build_cached(f"tool-build-{key}", compile_into) / build.LIBRARY_NAME
     directory.mkdir()

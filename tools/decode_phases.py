@@ -1,7 +1,7 @@
 """Where the fused decode step's time goes: each phase between its barriers, against that phase's own ceiling.
 
 The native CPU kernels run every decoder layer of an all-decode step in one call (``decode_layers`` in
-``kernels/cpu/ksana_cpu.c``), its threads meeting at a barrier after each phase. This script builds those kernels
+``kernels/cpu/decode_layers.cpp``), its threads meeting at a barrier after each phase. This script builds those kernels
 once more with ``-DKSANA_PHASE_CLOCK`` (the same code, with a clock at each barrier: each thread's time up to it and
 its wait there), runs ``smollm2`` through ``LLM.generate`` with the engine's fused step and greedy lm_head swapped
 for the clocked build's, and prints per steady decode step:
@@ -62,7 +62,7 @@ from ksana.kernels.cpu.ops import NativeCPUOps  # noqa: E402
 from ksana.models.shape import ModelShape  # noqa: E402
 
 SKIP_STEPS = 2  # each generate call's first decode steps (caches and pools settling)
-# The phases in the order of decode_layers' barriers (the PHASE_ enum in ksana_cpu.c).
+# The phases in the order of decode_layers' barriers (the Phase enum in decode_layers.cpp).
 PHASES = ("norm", "qkv", "rotary+store", "attention", "combine", "pack", "o", "post_norm", "gate_up", "silu",
           "down")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")

@@ -1,7 +1,7 @@
 """Would the fused decode step gain from running its attention beside its projections, one thread each?
 
 The roofline bound of ``bench/roofline.py`` assumes the step's reads and arithmetic overlap; in the engine's fused
-decode step (``decode_layers`` in ``kernels/cpu/ksana_cpu.c``) every phase runs on all threads, one phase after the
+decode step (``decode_layers`` in ``kernels/cpu/decode_layers.cpp``) every phase runs on all threads, one phase after the
 other.
 On two cores the other schedule is to give each core one kind of work: one thread runs a layer's attention (reading
 the KV cache) while the other runs projections (streaming weights through FMAs), as NanoFlow-style pipelines over

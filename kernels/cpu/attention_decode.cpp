@@ -3,7 +3,7 @@
 // Two passes (scores, then the weighted sum of values) keep the softmax exact without rescaling. As in SDPA's
 // bfloat16 kernel, the unnormalised probabilities are rounded to bfloat16 before they weight V (the sum that
 // normalises them is not), so bfloat16 models follow transformers' rounding. decode_plan.h says how a step splits
-// into tasks (decode_plan.cpp plans them and combines split ones); the fused decode step (ksana_cpu.c) runs these
+// into tasks (decode_plan.cpp plans them and combines split ones); the fused decode step (decode_layers.cpp) runs these
 // tasks from its own thread team; decode_prefetch.h fetches a task's rows ahead. One task template
 // serves every instruction set: its lanes and the few choices that differ between 8 and 16 lanes (tile sizes,
 // query heads per block, prefetch distances) come from a policy. Measured by bench/kernel_ops.py (paged decode)

@@ -1,12 +1,13 @@
 """Build the CPU kernels into one library of typed torch operators, once per source and CPU, and load it.
 
-The kernels (``ksana_cpu.c``, C with OpenMP, and the C++ families over ``vec.h``) compile per instruction-set level; ``registration.cpp`` declares them
-as torch operators (``torch.ops.ksana.*``: schemas, checks at the call, profiler names) and compiles once for every
-level, against torch's headers from ``torch.utils.cpp_extension``. Both link into one shared library, which
-``torch.ops.load_library`` loads. Builds are cached under ``$KSANA_CACHE_DIR`` (built in a temporary directory and
-renamed into place, so racing processes such as tensor-parallel ranks build once), keyed by the sources, the flags,
-the compilers and torch's version, so an edit or another machine's CPU gets its own build. Without a C and a C++
-compiler, or when the build fails, ``load_library`` returns None and the CPU runs the torch reference ops.
+The kernels (C++ with OpenMP over ``vec.h``'s lanes, one file per operator family) compile per instruction-set
+level; ``registration.cpp`` declares them as torch operators (``torch.ops.ksana.*``: schemas, checks at the call,
+profiler names) and compiles once for every level, against torch's headers from ``torch.utils.cpp_extension``. Both
+link into one shared library, which ``torch.ops.load_library`` loads: built on first use (JIT), not at install.
+Builds are cached under ``$KSANA_CACHE_DIR`` (built in a temporary directory and renamed into place, so racing
+processes such as tensor-parallel ranks build once), keyed by the sources, the flags, the compiler and torch's
+version, so an edit or another machine's CPU gets its own build. Without a C++ compiler, or when the build fails,
+``load_library`` returns None and the CPU runs the torch reference ops.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCE = HERE / "ksana_cpu.c"  # the C kernels (the A/B tools build other revisions of this folder)
+# Older revisions of this folder, which the A/B tools build, kept the packed linear and the fused decode step in
+# one C file; a folder that has it gets it compiled as C.
+C_SOURCE_NAME = "ksana_cpu.c"
 REGISTRATION = HERE / "registration.cpp"
 
 
@@ -42,9 +45,9 @@ CXX_SOURCES = cxx_sources()
 LIBRARY_NAME = "libksana_cpu.so"
 NAMESPACE = "ksana"  # torch.ops.ksana; the A/B tools load other builds under other names
 # "torch" forces the reference ops (to compare paths, or if the native build misbehaves); a level from LEVELS builds
-# for at most that instruction set (so the other CPUs' paths can be tested here): "portable" is the plain C
-# fallback, "avx2" adds AVX2/FMA (with the packed linear and fused decode), "avx512" their AVX-512 versions and
-# the 16-lane decode attention and fused greedy sampling.
+# for at most that instruction set (so the other CPUs' paths can be tested here): "portable" is vec.h's portable
+# lanes, "avx2" adds AVX2/FMA (with the packed linear and fused decode), "avx512" the 16-lane kernels and the
+# packed linear's wide schedule with its fused greedy sampling.
 CPU_KERNELS_ENV = "KSANA_CPU_KERNELS"
 # "1" builds the C++ kernels' 16-lane (AVX-512) code on lanes of two F32x8, so that it runs, and is tested, on a
 # CPU without AVX-512 (tests/kernels/test_cpu_native.py).
@@ -70,14 +73,14 @@ def build_level() -> str:
 
 
 def compiler_flags(level: str | None = None) -> list[str]:
-    """-O3, plus per level (``build_level()`` unless given): AVX2/FMA; AVX-512 for the C++ kernels (vec.h's
-    F32x16, see ``cxx_flags``) and the C packed linear and fused decode's own AVX-512 sections (an AVX2 build has
-    its own packed linear and fused decode). Never -ffast-math, and no FMA contraction of elementwise code, so
-    rounding matches torch's eager ops (attention and linear use FMA explicitly).
+    """-O3, plus per level (``build_level()`` unless given): AVX2/FMA; AVX-512 (``-DKSANA_AVX512``, which
+    ``cxx_flags`` turns into the AVX-512 targets: vec.h's F32x16 is then __m512). Never -ffast-math, and no FMA
+    contraction of elementwise code, so rounding matches torch's eager ops (attention and linear use FMA
+    explicitly).
 
     bfloat16 linears widen to float32 and FMA rather than use AVX512_BF16's ``vdpbf16ps``, which ran slower from
     16 rows on Intel's AVX-512 Xeons."""
-    flags = ["-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", f"-I{HERE}"]
+    flags = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", f"-I{HERE}"]
     index = LEVELS.index(level or build_level())
     if index >= LEVELS.index("avx2"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
@@ -87,7 +90,8 @@ def compiler_flags(level: str | None = None) -> list[str]:
 
 
 def find_compiler() -> str | None:
-    """``$CC``, else ``cc`` or ``gcc`` on the PATH; None when there is none."""
+    """``$CC``, else ``cc`` or ``gcc`` on the PATH; None when there is none. Only an older revision's C file (see
+    ``C_SOURCE_NAME``) needs it."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     return compiler if compiler and shutil.which(compiler) else None
 
@@ -143,9 +147,9 @@ def registration_object(cxx: str) -> Path:
 
 
 def cxx_flags(flags: list[str]) -> list[str]:
-    """The C++ kernels' flags: the C build's (level, no FMA contraction), as C++; an AVX-512 build compiles them for
-    AVX-512 throughout (vec.h's F32x16 is then __m512), keeping the compiler's own vectorisation 256 bits wide."""
-    cxx = [flag for flag in flags if flag != "-std=c11"] + ["-std=c++20"]
+    """The kernels' C++ flags from ``compiler_flags``: an AVX-512 build compiles for AVX-512 throughout (vec.h's
+    F32x16 is then __m512), keeping the compiler's own vectorisation 256 bits wide."""
+    cxx = [*flags, "-std=c++20"]
     if "-DKSANA_AVX512" in flags:
         cxx += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mprefer-vector-width=256"]
     if os.environ.get(WIDE_LANES_ENV) == "1":
@@ -153,7 +157,7 @@ def cxx_flags(flags: list[str]) -> list[str]:
     return cxx
 
 
-def compile_library(compiler: str, flags: list[str], directory: Path, kernels: Path = HERE) -> Path:
+def compile_library(flags: list[str], directory: Path, kernels: Path = HERE) -> Path:
     """The kernels in ``kernels`` (this folder, or a copy of another revision's: the A/B tools') compiled with
     ``flags``, linked with the registration into ``directory``: the shared library's path. RuntimeError with the
     compiler's output when a step fails."""
@@ -164,8 +168,13 @@ def compile_library(compiler: str, flags: list[str], directory: Path, kernels: P
         raise RuntimeError("no C++ compiler found (set CXX, or put c++ or g++ on the PATH)")
     registration = registration_object(cxx)
     flags = [f"-I{kernels}" if flag == f"-I{HERE}" else flag for flag in flags]
-    objects = [directory / "ksana_cpu.o"]
-    _run([compiler, *flags, "-c", "-o", str(objects[0]), str(kernels / SOURCE.name)])
+    objects = []
+    if (kernels / C_SOURCE_NAME).exists():
+        compiler = find_compiler()
+        if compiler is None:
+            raise RuntimeError(f"no C compiler found for {kernels / C_SOURCE_NAME} (set CC)")
+        objects.append(directory / "ksana_cpu.o")
+        _run([compiler, *flags, "-std=c11", "-c", "-o", str(objects[0]), str(kernels / C_SOURCE_NAME)])
     for cxx_source in cxx_sources(kernels):
         objects.append(directory / f"{cxx_source.stem}.o")
         _run([cxx, *cxx_flags(flags), "-c", "-o", str(objects[-1]), str(cxx_source)])
@@ -177,8 +186,9 @@ def compile_library(compiler: str, flags: list[str], directory: Path, kernels: P
 
 
 def sources_digest(kernels: Path = HERE) -> bytes:
-    """The kernels' own sources in ``kernels``, for the cache key (the C source, the C++ families, their headers)."""
-    paths = (kernels / SOURCE.name, *cxx_sources(kernels), *headers(kernels))
+    """The kernels' own sources in ``kernels``, for the cache key (the C++ families, their headers, an older
+    revision's C file)."""
+    paths = (*cxx_sources(kernels), *headers(kernels), *kernels.glob(C_SOURCE_NAME))
     return b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in paths)
 
 
@@ -213,18 +223,18 @@ def load_library():
     ``KSANA_CPU_KERNELS=torch``); the reason is logged once, as a warning where the native kernels were wanted."""
     if os.environ.get(CPU_KERNELS_ENV, "native") == "torch":
         return None
-    compiler, cxx = find_compiler(), find_cxx_compiler()
-    if compiler is None or cxx is None:
-        logger.warning("no C or C++ compiler found (set CC and CXX, or put cc and c++ on the PATH): the CPU runs the "
-                       "slower torch reference ops")
+    cxx = find_cxx_compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found (set CXX, or put c++ or g++ on the PATH): the CPU runs the slower torch "
+                       "reference ops")
         return None
     from ..build_cache import build_cached
 
     flags = compiler_flags()
     try:
-        key = build_key(sources_digest(), REGISTRATION.read_bytes(), compiler, _version(compiler), cxx,
-                        _version(cxx), *flags, *cxx_flags(flags), *registration_flags())
-        directory = build_cached(f"cpu-kernels-{key}", lambda tmp: compile_library(compiler, flags, tmp))
+        key = build_key(sources_digest(), REGISTRATION.read_bytes(), cxx, _version(cxx), *cxx_flags(flags),
+                        *registration_flags())
+        directory = build_cached(f"cpu-kernels-{key}", lambda tmp: compile_library(flags, tmp))
         return load_ops(directory / LIBRARY_NAME)
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernels unavailable, using torch reference ops: %s", error)

@@ -1,6 +1,6 @@
 /* How paged decode attention divides a step into tasks (decode_plan.cpp), and the tasks (attention_decode.cpp):
- * shared by the paged_decode operator and the fused decode step (decode_layers in ksana_cpu.c), which runs the
- * same tasks from its own thread team.
+ * shared by the paged_decode operator and the fused decode step (decode_layers.cpp), which runs the same tasks
+ * from its own thread team.
  *
  * A task is one sequence's KV heads: all of them when the batch alone keeps the threads busy (each position's row
  * is then read whole and in order), else one KV head, whose query heads share its keys and values. Few sequences

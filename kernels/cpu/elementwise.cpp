@@ -2,7 +2,7 @@
 //
 // silu_and_mul rounds where torch's eager reference rounds (silu's result, then the product); its exp is vec.h's,
 // so a value may differ from torch's by an ulp. The row has C linkage: the fused decode step and the packed
-// linear's fused SwiGLU (ksana_cpu.c) run the very code the operator runs. Measured by bench/kernel_ops.py.
+// linear's fused SwiGLU (decode_layers.cpp, packed_linear.h) run the very code the operator runs. Measured by bench/kernel_ops.py.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -65,7 +65,7 @@ void store_kv(const T *key, int64_t key_stride, const T *value, int64_t value_st
 }  // namespace
 }  // namespace ksana
 
-// The C entry points: the operators' (registration.cpp) and the rows ksana_cpu.c runs.
+// The C entry points: the operators' (registration.cpp) and the rows the fused decode step runs (decode_layers.cpp).
 using ksana::bf16;
 
 extern "C" {

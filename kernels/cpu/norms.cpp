@@ -2,7 +2,7 @@
 //
 // Arithmetic is float32 and bfloat16 results are rounded where torch's eager reference rounds, so these agree with
 // it to the last bit but for the sum of squares' order. The per-row bodies have C linkage: the fused decode step
-// (decode_layers in ksana_cpu.c) runs the very same code as the operators. Measured by bench/kernel_ops.py.
+// (decode_layers.cpp) runs the very same code as the operators. Measured by bench/kernel_ops.py.
 #include <cmath>
 #include <cstdint>
 
@@ -88,7 +88,7 @@ void rotary_neox(const T *x, int64_t tok_stride, const T *cos, const T *sin, T *
 }  // namespace
 }  // namespace ksana
 
-// The C entry points: the operators' (registration.cpp) and the rows the fused decode step runs (ksana_cpu.c).
+// The C entry points: the operators' (registration.cpp) and the rows the fused decode step runs (decode_layers.cpp).
 using ksana::bf16;
 
 extern "C" {

@@ -116,7 +116,7 @@ class NativeCPUOps:
 
     def decode_layers(self, model: DecodeLayers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every decoder layer of an all-decode step in one native call (see ``decode_layers`` in ksana_cpu.c):
+        """Every decoder layer of an all-decode step in one native call (see decode_layers.cpp):
         ``(hidden, residual)`` as the layer loop leaves them (with ``model.final_norm``, ``hidden`` is that norm of
         their sum and ``residual`` the sum), or None when the step is not one it takes (weights not packed, an
         unsupported dtype or layout), and the caller runs the loop."""
@@ -225,7 +225,7 @@ class NativeCPUOps:
                        min_rows: int = FUSED_GREEDY_MIN_ROWS) -> tuple[list[int], list[float]] | None:
         """Greedy decoding's token and log-probability per row of ``hidden @ weight.T`` over the first
         ``vocab_size`` columns, without the logits: what ``greedy_logprobs`` gives on ``linear``'s output, to float32
-        rounding in the log-probability (see ``packed_linear_greedy`` in ksana_cpu.c). None where it does not apply
+        rounding in the log-probability (see ``linear_greedy`` in packed_linear.cpp). None where it does not apply
         (a plain weight, fewer than ``min_rows`` rows, a layout the native matmul does not take)."""
         if not (isinstance(weight, PackedWeight) and hidden.dim() == 2 and max(min_rows, 1) <= hidden.shape[0]
                 and hidden.dtype == weight.dtype and hidden.dtype in DTYPES and hidden.stride(-1) == 1
@@ -300,9 +300,9 @@ class NativeCPUOps:
     def paged_prefill_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        """``attention.paged_prefill_attention`` in float32 on AVX2 CPUs (``prefill_attention`` in ksana_cpu.c reads
-        every key, the new ones too, from the cache, where the store already put them); the reference otherwise,
-        bfloat16 in ``bf16_prefill_query_chunk`` queries a call where that is set."""
+        """``attention.paged_prefill_attention`` in float32 on AVX2 CPUs (``prefill_attention`` in
+        attention_prefill.cpp reads every key, the new ones too, from the cache, where the store already put them);
+        the reference otherwise, bfloat16 in ``bf16_prefill_query_chunk`` queries a call where that is set."""
         layout = _cache_layout(k_cache, v_cache)
         q_len, num_heads, head_dim = query.shape
         if not (self.has_prefill_attention and query.dtype == k_cache.dtype == torch.float32

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-PANEL = 16  # output columns per panel (PANEL in ksana_cpu.c)
+PANEL = 16  # output columns per panel (kPanel in packed_linear.h)
 
 
 def packed_numel(out_features: int, in_features: int) -> int:

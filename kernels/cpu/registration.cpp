@@ -2,8 +2,8 @@
 // the operators show in the torch profiler under their own names, and Python's fake implementations
 // (kernels/cpu/fakes.py) let torch.compile trace them.
 //
-// The kernels themselves (ksana_cpu.c and the C++ families) compile per instruction set and link into the same
-// library; this file holds only the checks and the calls, so it builds once for every level (kernels/cpu/build.py).
+// The kernels themselves (the C++ families) compile per instruction set and link into the same library; this file
+// holds only the checks and the calls, so it builds once for every level (kernels/cpu/build.py).
 // The namespace is ksana, or the KSANA_OPS_NAMESPACE environment variable's value when the library loads: the A/B
 // tools load other builds beside the engine's under other names, from the same compiled registration.
 #include <ATen/Parallel.h>
@@ -19,8 +19,8 @@
 #include <string>
 #include <tuple>
 
-// ---- The kernels' C entry points (ksana_cpu.c and the C++ families). Every dtype pair shares one signature; T*
-// travels as void*. ---------------------------------------------------------------------------------------------
+// ---- The kernels' C entry points (one family a file). Every dtype pair shares one signature; T* travels as
+// void*. ----------------------------------------------------------------------------------------------------------
 extern "C" {
 #define KSANA_BOTH(ret, name, ...) ret name##_f32(__VA_ARGS__); ret name##_bf16(__VA_ARGS__);
 KSANA_BOTH(void, rms_norm, const void *x, int64_t x_stride, const void *add, void *residual_out, const void *w,

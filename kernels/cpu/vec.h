@@ -111,6 +111,13 @@ struct F32x8 {
     // Bit i set where lane i is NaN; where lane i equals o's.
     int nan_mask() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
     int eq_mask(F32x8 o) const { return _mm256_movemask_ps(_mm256_cmp_ps(v, o.v, _CMP_EQ_OQ)); }
+    int gt_mask(F32x8 o) const { return _mm256_movemask_ps(_mm256_cmp_ps(v, o.v, _CMP_GT_OQ)); }
+    // Lane i: a's where bit i of `mask` is set, else b's.
+    static F32x8 select(int mask, F32x8 a, F32x8 b) {
+        __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(mask), bit), bit);
+        return {_mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(on))};
+    }
     // (v0 + v4 + v2 + v6) + (v1 + v5 + v3 + v7), in that tree.
     float sum() const {
         __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -247,6 +254,16 @@ struct F32x8 {
         for (int i = 0; i < 8; i++) mask |= (v[i] == o.v[i]) << i;
         return mask;
     }
+    int gt_mask(F32x8 o) const {
+        int mask = 0;
+        for (int i = 0; i < 8; i++) mask |= (v[i] > o.v[i]) << i;
+        return mask;
+    }
+    static F32x8 select(int mask, F32x8 a, F32x8 b) {
+        F32x8 r;
+        for (int i = 0; i < 8; i++) r.v[i] = mask >> i & 1 ? a.v[i] : b.v[i];
+        return r;
+    }
     float sum() const { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 };
 
@@ -285,6 +302,28 @@ inline float max_lane(F32x8 x) {
     float m = lanes[0];
     for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
     return m;
+}
+
+// r[i] = [r0[i], ..., r7[i]]: eight columns of eight rows.
+inline void transpose(F32x8 (&r)[8]) {
+#if KSANA_VEC_AVX2
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2)
+        t[i] = _mm256_unpacklo_ps(r[i].v, r[i + 1].v), t[i + 1] = _mm256_unpackhi_ps(r[i].v, r[i + 1].v);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4].v = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+#else
+    float m[8][8];
+    for (int i = 0; i < 8; i++) r[i].store(m[i]);
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) r[i].v[j] = m[j][i];
+#endif
 }
 
 // e^x for x <= 0 (softmax arguments): 2^n * e^r with n = round(x / ln 2), |r| <= ln2/2 (ln 2 in two parts, so r is
@@ -358,7 +397,31 @@ struct F32x16 {
     F32x8 fold() const { return {_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))}; }
     float sum() const { return fold().sum(); }  // the tree of _mm512_reduce_add_ps
     float max_lane() const { return _mm512_reduce_max_ps(v); }
+    int nan_mask() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+    int gt_mask(F32x16 o) const { return _mm512_cmp_ps_mask(v, o.v, _CMP_GT_OQ); }
+    static F32x16 select(int mask, F32x16 a, F32x16 b) {
+        return {_mm512_mask_mov_ps(b.v, static_cast<__mmask16>(mask), a.v)};
+    }
 };
+
+// r[i] = [r0[i], ..., r15[i]]: sixteen columns of sixteen rows (the 8x8 transpose's two stages, then two across
+// the 128-bit lanes).
+inline void transpose(F32x16 (&r)[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_ps(r[i].v, r[i + 1].v), t[i + 1] = _mm512_unpackhi_ps(r[i].v, r[i + 1].v);
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(u[i + j], u[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(u[i + j], u[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++)
+        r[j].v = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88), r[j + 8].v = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+}
 #else
 // Sixteen lanes as two F32x8: the same values lane by lane, and sum() in the same tree, as AVX-512's.
 struct F32x16 {
@@ -394,7 +457,21 @@ struct F32x16 {
     F32x8 fold() const { return lo + hi; }
     float sum() const { return fold().sum(); }
     float max_lane() const { return ksana::max_lane(F32x8::max(lo, hi)); }
+    int nan_mask() const { return lo.nan_mask() | hi.nan_mask() << 8; }
+    int gt_mask(F32x16 o) const { return lo.gt_mask(o.lo) | hi.gt_mask(o.hi) << 8; }
+    static F32x16 select(int mask, F32x16 a, F32x16 b) {
+        return {F32x8::select(mask & 0xff, a.lo, b.lo), F32x8::select(mask >> 8, a.hi, b.hi)};
+    }
 };
+
+// As AVX-512's: four 8x8 transposes, the off-diagonal blocks swapped.
+inline void transpose(F32x16 (&r)[16]) {
+    F32x8 block[4][8];  // [row half][column half]: rows 0-7 lo, rows 0-7 hi, rows 8-15 lo, rows 8-15 hi
+    for (int i = 0; i < 8; i++)
+        block[0][i] = r[i].lo, block[1][i] = r[i].hi, block[2][i] = r[i + 8].lo, block[3][i] = r[i + 8].hi;
+    for (auto &b : block) transpose(b);
+    for (int i = 0; i < 8; i++) r[i] = {block[0][i], block[2][i]}, r[i + 8] = {block[1][i], block[3][i]};
+}
 #endif
 
 // A vector's lanes folded to eight (their sum kept): itself for F32x8.

@@ -9,7 +9,7 @@ Two whole-model hooks of ``KernelOps`` change how the layers run where a backend
 kernels on AVX2 and AVX-512): ``pack_weights`` swaps every projection for the backend's ``PackedWeight`` once the
 checkpoint is loaded, and an all-decode step runs every layer and the final norm in one native call
 (``DecoderForCausalLM._decode_layers`` -> ``KernelOps.decode_layers`` -> ``NativeCPUOps.decode_layers`` in
-``kernels/cpu/ops.py`` -> ``decode_layers`` in ``kernels/cpu/ksana_cpu.c``). Every other step, and every backend
+``kernels/cpu/ops.py`` -> ``decode_layers`` in ``kernels/cpu/decode_layers.cpp``). Every other step, and every backend
 without the hook, runs the layer loop in ``DecoderForCausalLM.forward`` op by op.
 
 Two perf-mode hooks (``set_profiler``, ``set_layer_forward_round``) cost nothing when unused: profiling swaps
@@ -429,7 +429,7 @@ class DecoderForCausalLM(CausalLM):
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All layers and the final norm in one backend call when the backend fuses them (``ops.decode_layers``;
-        on the CPU one native call, ``decode_layers`` in kernels/cpu/ksana_cpu.c) and the step is plain decode
+        on the CPU one native call, ``decode_layers`` in kernels/cpu/decode_layers.cpp) and the step is plain decode
         (one token per sequence, one block pool, no tensor parallelism, no repeated layers): ``(the normed hidden
         states, the residual stream)``; None otherwise, or where the backend declines the step, and ``forward``
         runs the layer loop. The ``DecodeLayers`` handed over is made once per KV cache, so the backend can keep

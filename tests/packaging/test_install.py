@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ksana.kernels.cpu.build import cxx_sources
 from tests.model_factory import hf_greedy_generate, load_hf_model, make_checkpoint, random_prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,9 +65,8 @@ def test_the_wheel_adds_only_ksana_to_site_packages(installed):
         for init in source.rglob("__init__.py"):
             module = Path(name) / init.relative_to(source)
             assert (installed / module).is_file(), f"{module} is missing from the wheel"
-    assert (package / "kernels" / "cpu" / "ksana_cpu.c").is_file()  # built on first use on the CPU
-    for name in ("registration.cpp", "norms.cpp", "vec.h", "parallel.h"):
-        assert (package / "kernels" / "cpu" / name).is_file()
+    for name in ("registration.cpp", *(path.name for path in cxx_sources()), "vec.h", "parallel.h"):
+        assert (package / "kernels" / "cpu" / name).is_file()  # built on first use on the CPU
     assert (package / "perf" / "schema" / "perf_result.schema.json").is_file()
 
 

@@ -20,8 +20,8 @@ def load_tool(script: str) -> ModuleType:
 
 def require_compiler() -> None:
     """Skip the calling test where the tools cannot build the kernels: they compile sources of their own."""
-    if build.find_compiler() is None or build.find_cxx_compiler() is None:
-        pytest.skip("no C or C++ compiler: the tools build the kernels themselves")
+    if build.find_cxx_compiler() is None:
+        pytest.skip("no C++ compiler: the tools build the kernels themselves")
 
 
 def require_fused_decode() -> None:
