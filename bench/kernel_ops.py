@@ -1,6 +1,6 @@
 """Kernel benchmark: each fast kernel against its torch reference, against the device's measured ceilings.
 
-    python bench/kernel_ops.py           # CUDA: Triton against torch; CPU: the native C kernels against torch
+    python bench/kernel_ops.py           # CUDA: Triton against torch; CPU: the native C++ kernels against torch
     python bench/kernel_ops.py --quick   # shapes 8x smaller, fewer repeats: checks the script
 
 A full run writes ``bench/results/kernels_<machine kind>.json`` (the GPU's kind where there is one), a ``--quick``
@@ -47,7 +47,7 @@ HIDDEN, INTERMEDIATE, BLOCK_SIZE = 4096, 14336, 16
 
 @attrs.frozen
 class Case:
-    """One op at one shape: the reference and the fast kernel's call (Triton / native C), and the work it does."""
+    """One op at one shape: the reference and the fast kernel's call (Triton / native C++), and the work it does."""
 
     op: str
     shape: str
@@ -349,7 +349,7 @@ def main() -> None:
     else:
         device_name = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
         backend = "native" if _native_cpu_kernels() is not None else None
-        print("No CUDA device: the native C kernels against the torch references (Triton's CPU interpreter is "
+        print("No CUDA device: the native C++ kernels against the torch references (Triton's CPU interpreter is "
               "not a benchmark).")
     min_seconds, max_reps = (0.05, 10) if args.quick else (0.3, 100)
 

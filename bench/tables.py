@@ -147,15 +147,19 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
     target = report["target_rel_error"]
     for run in report["runs"]:
         settings = ", ".join(f"{k} {v}" for k, v in run["settings"].items()) or "defaults"
+        repeats = run.get("repeats", 1)
+        of_runs = f" of the medians of {repeats} runs" if repeats > 1 else ""
         figure = (f"simulated / measured, `{report['model']}`, {run['trace']}: {run['num_requests']} requests at "
-                  f"{run['rate']:g}/s (burstiness {run['burstiness']:g}), {settings}; relative error")
+                  f"{run['rate']:g}/s (burstiness {run['burstiness']:g}), {settings}; relative error{of_runs}")
         errors = ", ".join(f"{SIMULATOR_METRICS[k]} {v['rel_error']:.1%}" for k, v in run["metrics"].items())
         diagnosis = ""
         if "step_cost_ratio" in run:  # the served steps against the fit's prices, and the run's own step costs
             request = run.get("request_cost_ms")
             request_text = (f", a request {request['served']:.0f} ms outside the engine against the fit's "
                             f"{request['fit']:.0f}") if request and request["served"] is not None else ""
-            diagnosis = (f"; the served steps took {run['step_cost_ratio']['all']:.2f}x the fit's prices"
+            ratios = [r["all"] for r in run["step_cost_ratio"].get("runs", [run["step_cost_ratio"]])]
+            took = (f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else f"{ratios[0]:.2f}x")
+            diagnosis = (f"; the served steps took {took} the fit's prices"
                          f"{request_text}; with this run's own costs {run['max_rel_error_with_served_steps']:.1%} "
                          "at most")
         yield (figure, f"**{run['max_rel_error']:.1%}** at most ({errors}){diagnosis}",

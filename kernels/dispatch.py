@@ -1,8 +1,8 @@
 """The one place that picks kernel implementations per device.
 
 Models hold the ``KernelOps`` returned by ``get_ops(device)`` and call ops only through it: CUDA gets the Triton
-kernels (``kernels/triton``), an Ascend NPU torch-npu's fused operators (``kernels/npu.py``), the CPU native C
-kernels (``kernels/cpu``), falling back to the torch reference path when no compiler is there to build them.
+kernels (``kernels/triton``), an Ascend NPU torch-npu's fused operators (``kernels/npu.py``), the CPU native
+C++ kernels (``kernels/cpu``), falling back to the torch reference path when no compiler is there to build them.
 
 Every op of a forward pass has a field named after its role (the projections too, although each is a plain
 ``F.linear`` on most backends), so perf mode can time each role by swapping in ``ops.timed(timer)``: the plain ops
@@ -259,7 +259,7 @@ TORCH_OPS = KernelOps(
 
 
 def get_ops(device: str | torch.device) -> KernelOps:
-    """CUDA → Triton kernels (when triton is installed), NPU → torch-npu's fused ops, CPU → native C kernels (when
+    """CUDA → Triton kernels (when triton is installed), NPU → torch-npu's fused ops, CPU → native C++ kernels (when
     they build), anything else → torch."""
     from . import backends  # lazy: backends imports this module; triton/torch_npu load only on demand
 
