@@ -2,7 +2,7 @@
 with chunked prefill and a small KV pool (preemption). Each is ``ksana simulate validate``: serve the model, replay
 the trace with the load generator, simulate it with the same settings, compare.
 
-    python bench/simulator_validation.py                      # smollm2: profile, then 3 validations a trace (~35 min)
+    python bench/simulator_validation.py                      # smollm2: profile, then 3 validations a trace (~40 min)
     python bench/simulator_validation.py --repeats 1          # one validation a trace (~12 min)
     python bench/simulator_validation.py --profile fit.json   # reuse a fit (one already calibrated: for every trace)
     python bench/simulator_validation.py --quick              # the demo model, small traces
