@@ -32,9 +32,13 @@ def _measured_s(settings, prompts, output_len) -> float:
     llm = LLM(model="demo", dtype="float32", **settings)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm
-    started = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - started
+    # The best of three: a run takes a fraction of a second, which one stall of a shared core can double.
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+    return min(times)
 
 
 def _simulated_s(profile, settings, prompts, output_len) -> float:
