@@ -16,13 +16,14 @@ from ksana.perf.stats import summarize
 from tests.kernels.test_attention import ROWS, make_batch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-# 40-token prompts with a 64-token step budget: later prompts prefill beside earlier ones' decodes (mixed steps).
+# 40-token prompts with a 64-token step budget, each whole (one prefill attention per prompt and layer): later
+# prompts prefill beside earlier ones' decodes (mixed steps).
 PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(40)] for i in range(3)]
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="demo", max_step_tokens=64)
+    return LLM(model="demo", max_step_tokens=64, split_fuse_token_num=0)
 
 
 def _tokens(llm):

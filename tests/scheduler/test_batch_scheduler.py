@@ -39,15 +39,27 @@ def _step(scheduler: BatchScheduler, now: float = 0.0):
 
 
 def test_token_budget_and_fifo_admission():
-    s = BatchScheduler(BatchSchedulerSetting(max_step_tokens=10, max_batch_size=8), 4, 100, 1000)
+    s = BatchScheduler(BatchSchedulerSetting(max_step_tokens=10, max_batch_size=8, split_fuse_token_num=0), 4, 100,
+                       1000)
     for rid, n in [("a", 4), ("b", 5), ("c", 3)]:
         s.add_request(_request(rid, n))
     out = _step(s)
-    # a (4) + b (5) fit in 10; c (3) would exceed it, and FIFO stops at the first misfit.
+    # a (4) + b (5) fit in 10; c (3), whole, would exceed it, and FIFO stops at the first misfit.
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 4), ("b", 5)]
     out = _step(s)
     # Running requests decode first (1 token each), then c is admitted.
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 3)]
+
+
+def test_by_default_a_prompt_that_does_not_fit_fills_what_is_left_of_the_budget():
+    s = BatchScheduler(BatchSchedulerSetting(max_step_tokens=10, max_batch_size=8), 4, 100, 1000)
+    for rid, n in [("a", 4), ("b", 5), ("c", 3)]:
+        s.add_request(_request(rid, n))
+    out = _step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 4), ("b", 5), ("c", 1)]
+    out = _step(s)
+    # c's last two prompt tokens run beside the others' decode rows
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 2)]
 
 
 def test_max_batch_size_caps_running_requests():
