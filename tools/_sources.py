@@ -16,7 +16,6 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from ksana.kernels.build_cache import build_cached
 from ksana.kernels.cpu import build
 from ksana.kernels.cpu.ops import NativeCPUOps
 
@@ -41,20 +40,15 @@ def build_library(kernels: Path, directory: Path, defines: tuple[str, ...] = ())
     """The kernels of the folder ``kernels`` (a revision of ``kernels/cpu``) compiled with this machine's flags plus
     ``-D`` each of ``defines`` and loaded: its operators, under a namespace of their own
     (``torch.ops.ksana_<key>_<directory name>``), so that they sit beside the engine's. Builds are cached by
-    content (sources, compiler, flags) in Ksana's cache, so the same sources are compiled once; the copy loaded is
+    content (sources, compiler, flags) in Ksana's cache, shared with the engine's own build of the same sources,
+    so the same sources are compiled once; the copy loaded is
     placed in ``directory`` (a fresh folder), so two builds of one folder are still two libraries."""
     cxx = build.find_cxx_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or put c++ or g++ on the PATH)")
     flags = [*build.compiler_flags(), *(f"-D{name}" for name in defines)]
-    key = hashlib.sha256(b"\0".join([build.sources_digest(kernels), build.REGISTRATION.read_bytes(),
-                                      "\0".join([cxx, *build.cxx_flags(flags)]).encode()])).hexdigest()[:16]
-
-    def compile_into(tmp: Path) -> None:
-        print(f"building {kernels}", flush=True)
-        build.compile_library(flags, tmp, kernels)
-
-    cached = build_cached(f"tool-build-{key}", compile_into) / build.LIBRARY_NAME
+    cached = build.cached_library(cxx, flags, kernels, announce=True)
+    key = cached.parent.name.rsplit("-", 1)[-1]
     directory.mkdir()
     library = directory / build.LIBRARY_NAME
     shutil.copyfile(cached, library)

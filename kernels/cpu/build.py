@@ -190,6 +190,22 @@ def compile_library(flags: list[str], directory: Path, kernels: Path = HERE) -> 
     return output
 
 
+def cached_library(cxx: str, flags: list[str], kernels: Path = HERE, announce: bool = False) -> Path:
+    """The shared library of the kernels in ``kernels`` compiled with ``flags``, from Ksana's build cache (compiled
+    the first time, saying so where ``announce``): keyed by the sources, the registration, the compiler and every
+    flag, so the engine and the A/B tools (``tools/_sources.py``) share one build of the same sources."""
+    from ..build_cache import build_cached
+
+    def compile_into(directory: Path) -> None:
+        if announce:
+            print(f"building {kernels}", flush=True)
+        compile_library(flags, directory, kernels)
+
+    key = build_key(sources_digest(kernels), REGISTRATION.read_bytes(), cxx, _version(cxx), *cxx_flags(flags),
+                    *registration_flags())
+    return build_cached(f"cpu-kernels-{key}", compile_into) / LIBRARY_NAME
+
+
 def sources_digest(kernels: Path = HERE) -> bytes:
     """The kernels' own sources in ``kernels``, for the cache key (the C++ families, their headers, an older
     revision's C file)."""
@@ -233,14 +249,8 @@ def load_library():
         logger.warning("no C++ compiler found (set CXX, or put c++ or g++ on the PATH): the CPU runs the slower torch "
                        "reference ops")
         return None
-    from ..build_cache import build_cached
-
-    flags = compiler_flags()
     try:
-        key = build_key(sources_digest(), REGISTRATION.read_bytes(), cxx, _version(cxx), *cxx_flags(flags),
-                        *registration_flags())
-        directory = build_cached(f"cpu-kernels-{key}", lambda tmp: compile_library(flags, tmp))
-        return load_ops(directory / LIBRARY_NAME)
+        return load_ops(cached_library(cxx, compiler_flags()))
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernels unavailable, using torch reference ops: %s", error)
         return None

@@ -1,6 +1,6 @@
 // The packed linear's operators (see packed_linear.h): the weight's packing at load, rows of a packed table (a tied
 // embedding), the weight unpacked for BLAS, the linear itself, and greedy decoding straight from a packed lm_head.
-// The tiles and which runs where are the build's schedule's (packed_wide.cpp or packed_narrow.cpp); this file
+// The tiles and which runs where are the build's schedule's (packed_wide.h or packed_narrow.cpp); this file
 // packs the input and runs the threads. bench/kernel_ops.py measures it against BLAS over torch's layout.
 #include <cstdint>
 #include <cstdlib>

@@ -1,5 +1,5 @@
 // Linear layers over packed weights, out[M, N] = x[M, K] @ w[N, K]^T (+ bias): what packed_linear.cpp (the
-// operators), the two tile schedules (packed_wide.cpp, packed_narrow.cpp) and the fused decode step
+// operators), the two tile schedules (packed_wide.h, packed_narrow.cpp) and the fused decode step
 // (decode_layers.cpp) share.
 //
 // The weights are repacked once, at load, into panels of 16 output columns: panel p is a [K][16] block holding
@@ -27,7 +27,7 @@ constexpr int64_t kDecodeRows = 16;     // up to this many input rows run as one
 constexpr int64_t kRowTile = 8;         // input rows per block of the packed input (see pack_row)
 constexpr int64_t kParallelMin = 1 << 18;  // M * N * K below this stays on the calling thread
 
-// Which schedule the build runs: the 32-register one (packed_wide.cpp) on AVX-512, or where KSANA_WIDE_LANES asks
+// Which schedule the build runs: the 32-register one (packed_wide.h) on AVX-512, or where KSANA_WIDE_LANES asks
 // for it on pairs of eight lanes (to test it on another CPU); else the 16-register one (packed_narrow.cpp).
 #if KSANA_VEC_AVX512 || defined(KSANA_WIDE_LANES)
 constexpr bool kWideSchedule = true;
@@ -40,7 +40,7 @@ inline void prefetch_l1(const void *p) { __builtin_prefetch(p, 0, 3); }
 inline void prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
 
 // A thread's warming of the KV rows its first attention task of the layer reads, while the qkv projection before
-// it runs (decode_layers.cpp; see packed_wide.cpp's split tile, the only tile that warms).
+// it runs (decode_layers.cpp; see packed_wide.h's split tile, the only tile that warms).
 struct KvWarm {
     const char *at = nullptr, *end = nullptr;  // the current block's next line and its end
     const char *const *blocks = nullptr;       // the blocks still to warm, in the order the task reads them
@@ -143,7 +143,7 @@ struct RowPointers {
 // What a tile prefetches: nothing; each of its own panels' streams, kPrefetchL1 elements ahead into L1 and
 // kPrefetchL2 into L2 (the wide tiles); or a share of the block the thread streams next, line
 // (k - k0) * step / 2^16 of `at` at each k (the narrow tiles).
-constexpr int64_t kPrefetchL1 = 512, kPrefetchL2 = 2048;  // 2 KiB and 8 KiB of float32: see packed_wide.cpp
+constexpr int64_t kPrefetchL1 = 512, kPrefetchL2 = 2048;  // 2 KiB and 8 KiB of float32: see packed_wide.h
 struct NoFetch {
     void at_k(int64_t) const {}
     template <typename T>
@@ -255,7 +255,7 @@ inline void with_count(int64_t n, F &&f) {
 }
 
 // What packed_linear_greedy's panel groups found, per slice of 16 rows and group, the rows in the 16 lanes (see
-// packed_wide.cpp's greedy_block): slice s's group g at s * groups + g. Column indices travel as float32 (exact
+// packed_wide.h's greedy_block): slice s's group g at s * groups + g. Column indices travel as float32 (exact
 // below 2^24 columns).
 struct GreedyGroups {
     int64_t groups, vocab;
