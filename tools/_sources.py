@@ -40,9 +40,9 @@ def build_library(kernels: Path, directory: Path, defines: tuple[str, ...] = ())
     """The kernels of the folder ``kernels`` (a revision of ``kernels/cpu``) compiled with this machine's flags plus
     ``-D`` each of ``defines`` and loaded: its operators, under a namespace of their own
     (``torch.ops.ksana_<key>_<directory name>``), so that they sit beside the engine's. Builds are cached by
-    content (sources, compiler, flags) in Ksana's cache, shared with the engine's own build of the same sources,
-    so the same sources are compiled once; the copy loaded is
-    placed in ``directory`` (a fresh folder), so two builds of one folder are still two libraries."""
+    content (sources, compiler, flags) in Ksana's cache, the engine's own build among them, so the same sources are
+    compiled once; the copy loaded is placed in ``directory`` (a fresh folder), so two builds of one folder are
+    still two libraries."""
     cxx = build.find_cxx_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or put c++ or g++ on the PATH)")

@@ -180,7 +180,7 @@ def compile_library(flags: list[str], directory: Path, kernels: Path = HERE) -> 
         commands.append([cxx, *cxx_flags(flags), "-c", "-o", str(directory / f"{cxx_source.stem}.o"),
                          str(cxx_source)])
     objects = [Path(command[-2]) for command in commands]
-    # One compiler a core: the files are independent, and at -O3 the wide schedule alone takes half a minute.
+    # One compiler a core: the files are independent, and at -O3 some take 10-20 s each (the wide schedule's).
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(_run, commands))
     output = directory / LIBRARY_NAME

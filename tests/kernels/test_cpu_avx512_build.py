@@ -20,7 +20,7 @@ if CXX is None:
 
 def _compile(source, output) -> subprocess.CompletedProcess:
     # -O0 after the build's -O3: code generation still runs (so an intrinsic used outside its target fails),
-    # without the optimiser's minute per file.
+    # without the optimiser's tens of seconds on the largest files.
     flags = [*build.cxx_flags(build.compiler_flags("avx512")), "-O0"]
     return subprocess.run([CXX, *flags, "-c", str(source), "-o", str(output)], capture_output=True, text=True,
                           check=False)
