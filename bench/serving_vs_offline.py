@@ -121,7 +121,8 @@ def run_online(target: OnlineTarget, workload, server_pid: int) -> dict[str, Any
     import trio
 
     loop_before, client_before = loop_thread_cpu_s(server_pid), time.process_time()
-    results, duration = trio.run(target.serve_bench.benchmark, target.args, workload, target.model_id)
+    run = trio.run(target.serve_bench.benchmark, target.args, workload, target.model_id)
+    results, duration = run.results, run.duration
     client_s = time.process_time() - client_before
     loop_after = loop_thread_cpu_s(server_pid)
     summary = target.serve_bench.summarize(target.args, workload, results, duration, target.model_id)

@@ -154,9 +154,7 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
         errors = ", ".join(f"{SIMULATOR_METRICS[k]} {v['rel_error']:.1%}" for k, v in run["metrics"].items())
         diagnosis = ""
         if "step_cost_ratio" in run:  # the served steps against the fit's prices, and the run's own step costs
-            request = run.get("request_cost_ms")
-            request_text = (f", a request {request['served']:.0f} ms outside the engine against the fit's "
-                            f"{request['fit']:.0f}") if request and request["served"] is not None else ""
+            request_text = outside_engine_text(run)
             ratios = [r["all"] for r in run["step_cost_ratio"].get("runs", [run["step_cost_ratio"]])]
             took = (f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else f"{ratios[0]:.2f}x")
             diagnosis = (f"; the served steps took {took} the fit's prices"
@@ -164,6 +162,20 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
                          "at most")
         yield (figure, f"**{run['max_rel_error']:.1%}** at most ({errors}){diagnosis}",
                *_at_most(run["max_rel_error"] * 100, target * 100, f"{target:.0%} each"))
+
+
+def outside_engine_text(run: dict[str, Any]) -> str:
+    """A run's own time outside the engine against the fit's: one figure (``request_cost_ms``) or admission and
+    delivery (``outside_engine_ms``)."""
+    if (request := run.get("request_cost_ms")) and request["served"] is not None:
+        return f", a request {request['served']:.0f} ms outside the engine against the fit's {request['fit']:.0f}"
+    if (outside := run.get("outside_engine_ms")) and outside["served"] is not None:
+        served, fit = outside["served"], outside["fit"]
+        return (f", a request {served['admission']:.0f} ms from its arrival to the engine and a token "
+                f"{served['delivery']['const']:.0f} + {served['delivery']['per_row']:.2f} ms a row from its step to "
+                f"its client against the fit's {fit['admission']:.0f} and {fit['delivery']['const']:.0f} + "
+                f"{fit['delivery']['per_row']:.2f}")
+    return ""
 
 
 def simulator_noise_rows(report: dict[str, Any]) -> Iterator[Row]:

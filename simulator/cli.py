@@ -162,18 +162,23 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe_serving(worker_ms: dict[str, Any] | None, request_ms: float) -> str:
-    """A calibration in one line: the served step's constant and per-row cost, its held-out error, the request's."""
+def describe_serving(worker_ms: dict[str, Any] | None, outside: dict[str, Any]) -> str:
+    """A calibration in one line: the served step's constant and per-row cost, its held-out error, and a
+    request's time outside the engine (``validate.outside_engine``)."""
+    from ksana.simulator.validate import describe_outside_engine
+
     if worker_ms is None:
-        return f"steps priced by perf mode, {request_ms:.0f} ms a request"
+        return f"steps priced by perf mode; {describe_outside_engine(outside)}"
     coef = dict(zip(worker_ms["features"], worker_ms["coef"], strict=True))
     held_out = worker_ms["held_out_rel_error"]
     return (f"steps as served: {coef['const']:.1f} ms + {coef['rows']:.2f} ms a row + the rest "
-            f"(held-out error mean {held_out['mean']:.1%}, p90 {held_out['p90']:.1%}), {request_ms:.0f} ms a request")
+            f"(held-out error mean {held_out['mean']:.1%}, p90 {held_out['p90']:.1%}); "
+            f"{describe_outside_engine(outside)}")
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from ksana.simulator.calibrate import calibrate
+    from ksana.simulator.validate import outside_engine
 
     if args.model is None:
         raise ValueError("ksana simulate calibrate needs --model")
@@ -183,7 +188,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     serving_worker = fit.serving_worker.to_json() if fit.serving_worker is not None else None
     completed = sum(phase["completed"] for phase in measured)
     busiest = max(phase["output_throughput"] for phase in measured)
-    print(f"serving: {describe_serving(serving_worker, fit.serving_request_ms)} (probe: {completed} requests, "
+    outside = outside_engine(fit.serving_admission_ms, fit.serving_delivery)
+    print(f"serving: {describe_serving(serving_worker, outside)} (probe: {completed} requests, "
           f"{busiest:.1f} output tok/s at its busiest)")
     print(f"wrote {fit.save(out)}")
     return 0
@@ -196,7 +202,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise ValueError("ksana simulate validate needs --model")
     report = validate(args.model, args.trace, args.profile, args.config, config_overrides(args), args.out,
                       seed=args.seed, progress=not args.no_progress, calibrate_first=not args.no_calibrate)
-    print(f"serving: {describe_serving(report['serving_worker_ms'], report['serving_request_ms'])}")
+    print(f"serving: {describe_serving(report['serving_worker_ms'], report['outside_engine_ms']['fit'])}")
     print(format_table(report["metrics"]))
     print(format_diagnosis(report))
     print(f"wrote {args.out}")

@@ -27,7 +27,9 @@ from ksana.simulator.latency_model import (
 from ksana.simulator.profile import OPERATOR_GROUPS, Profile, ProfileError, load_profile, read_json
 
 FIT_FORMAT = "ksana-latency-fit"
-FIT_VERSION = 1
+FIT_VERSION = 2
+# A token's delivery to its client (``LatencyFit.serving_delivery``): a constant and the step's rows.
+DELIVERY_FEATURES = ("const", "rows")
 
 
 @attrs.frozen
@@ -51,8 +53,11 @@ class LatencyFit:
     # --step-log``): serving runs the streams' events, HTTP and its clients on the forward's cores, and keeps the
     # forward warm between steps, so its steps cost other than perf mode's; when present it prices the steps.
     serving_worker: FittedModel | None = None
-    # What a request costs before the engine sees it and after its first token (HTTP, the client).
-    serving_request_ms: float = 0.0
+    # A request's time outside the engine as a server measured it (``ksana.simulator.calibrate``): from its
+    # arrival until the scheduler has it, and from a step's result until a client reads the step's token: its mean
+    # in ms is ``const + per_row * rows`` of the step (``DELIVERY_FEATURES``).
+    serving_admission_ms: float = 0.0
+    serving_delivery: LinearModel | None = None
     calibration: dict[str, Any] | None = None
 
     def worker_s(self, shape: StepShape) -> float:
@@ -62,13 +67,23 @@ class LatencyFit:
     def engine_s(self, shape: StepShape) -> float:
         return max(0.0, self.engine.model.predict(shape.features())) / 1000
 
+    def delivery_s(self, num_rows: int, position: float = 0.5) -> float:
+        """How long after a step's result one of its tokens reaches its client: a step hands its tokens out over a
+        window that grows with its rows, ``per_row * rows`` on average, twice that at most; ``position`` in
+        [0, 1) is where in the window this token falls (0.5: the mean)."""
+        if self.serving_delivery is None:
+            return 0.0
+        const, per_row = self.serving_delivery.coef
+        return max(0.0, const + 2 * position * per_row * num_rows) / 1000
+
     def to_json(self) -> dict[str, Any]:
         return {"format": FIT_FORMAT, "version": FIT_VERSION, "identity": self.identity,
                 "provenance": self.provenance, "worker_ms": self.worker.to_json(),
                 "engine_ms": self.engine.to_json(), "baseline_worker_ms": self.baseline.to_json(),
                 "groups_ms": {name: model.to_json() for name, model in self.groups.items()},
                 "serving_worker_ms": self.serving_worker.to_json() if self.serving_worker is not None else None,
-                "serving_request_ms": self.serving_request_ms,
+                "serving_admission_ms": self.serving_admission_ms,
+                "serving_delivery_ms": self.serving_delivery.to_json() if self.serving_delivery is not None else None,
                 "calibration": self.calibration}
 
     def save(self, path: str | Path) -> Path:
@@ -87,10 +102,21 @@ class LatencyFit:
                        baseline=_fitted(data["baseline_worker_ms"]),
                        groups={name: _fitted(g) for name, g in data["groups_ms"].items()},
                        serving_worker=_fitted(data["serving_worker_ms"]) if data.get("serving_worker_ms") else None,
-                       serving_request_ms=float(data.get("serving_request_ms", 0.0)),
-                       calibration=data.get("calibration"))
+                       **_serving_delays(data), calibration=data.get("calibration"))
         except (KeyError, TypeError) as error:
             raise ProfileError(f"{source}: malformed latency fit: missing {error}") from None
+
+
+def _serving_delays(data: dict[str, Any]) -> dict[str, Any]:
+    """The admission and delivery of a saved fit. A version-1 fit has one ``serving_request_ms`` for both sides,
+    measured as a client's TTFT less the engine's: it is read as a constant delivery, the side it mostly is."""
+    if data.get("version", FIT_VERSION) < 2:
+        request_ms = float(data.get("serving_request_ms", 0.0))
+        return {"serving_admission_ms": 0.0,
+                "serving_delivery": LinearModel(DELIVERY_FEATURES, (request_ms, 0.0)) if request_ms else None}
+    delivery = data.get("serving_delivery_ms")
+    return {"serving_admission_ms": float(data.get("serving_admission_ms", 0.0)),
+            "serving_delivery": LinearModel.from_json(delivery) if delivery else None}
 
 
 def _fitted(data: dict[str, Any]) -> FittedModel:

@@ -58,6 +58,13 @@ def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def nnls_absolute(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the squared error itself: for delays that may be near zero, where a
+    relative error means nothing."""
+    coef, _residual = nnls(x, y)
+    return coef
+
+
 def ols_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Unconstrained least squares on the same relative error (the baseline's fit)."""
     weights = 1.0 / np.maximum(y, 1e-9)

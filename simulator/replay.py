@@ -3,6 +3,7 @@ virtual clock and records when each of its tokens comes out."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -34,9 +35,12 @@ class WorkloadReplayer(Actor):
 
     def __init__(self, requests: Sequence[TraceRequest], vocab_size: int, eos_token_ids: tuple[int, ...],
                  max_token_len: int, seed: int = 0, admission_delay_s: float = 0.0,
+                 delivery_s: Callable[[int, float], float] | None = None,
                  on_progress: Callable[[int], None] | None = None) -> None:
         """``admission_delay_s``: how long after its arrival a request reaches the engine (a server's HTTP
-        handling and the client's, from ``LatencyFit.serving_request_ms``); latencies count from the arrival."""
+        handling, ``LatencyFit.serving_admission_ms``); ``delivery_s(rows, position)``: how long after a step's
+        result one of its tokens reaches its client (``LatencyFit.delivery_s``; each token's position in the
+        step's hand-out window drawn at random, seeded); latencies count from the arrival."""
         self.requests = list(requests)
         self.timelines = [RequestTimeline(r.arrival_time_s, r.prompt_len) for r in self.requests]
         self._infer: dict[str, tuple[int, InferRequest]] = {}
@@ -45,6 +49,8 @@ class WorkloadReplayer(Actor):
         self.max_token_len = max_token_len
         self.seed = seed
         self.admission_delay_s = admission_delay_s
+        self.delivery_s = delivery_s or (lambda _rows, _position: 0.0)
+        self._positions = random.Random(seed)
         self.on_progress = on_progress
         self.num_open = len(self.requests)
         self.all_done = trio.Event()
@@ -71,9 +77,12 @@ class WorkloadReplayer(Actor):
         for delta in msg.deltas:
             index, infer = self._infer[delta.request_id]
             timeline = self.timelines[index]
-            timeline.token_times_s += [now] * len(delta.new_token_ids)
+            # a stream's chunks arrive in order: a token never overtakes the one before it
+            delivered = max(now + self.delivery_s(len(msg.deltas), self._positions.random()),
+                            timeline.token_times_s[-1] if timeline.token_times_s else 0.0)
+            timeline.token_times_s += [delivered] * len(delta.new_token_ids)
             if delta.finish_reason is not None:
-                timeline.finished_s = now
+                timeline.finished_s = delivered
                 timeline.error = delta.error
                 timeline.num_preemptions = infer.num_preemptions
                 timeline.num_cached_tokens = max(timeline.num_cached_tokens, delta.num_cached_tokens)

@@ -120,7 +120,8 @@ def run_simulation(setup: SimulationSetup, requests: Sequence[TraceRequest], *, 
     worker = SimulatedWorker(setup.fit, shape.vocab_size, eos, setup.spec)
     bar = tqdm(total=len(requests), desc="simulating", unit="req", disable=not progress, leave=False)
     replayer = WorkloadReplayer(requests, shape.vocab_size, eos, layout.max_token_len, seed=seed,
-                                admission_delay_s=setup.fit.serving_request_ms / 1000, on_progress=bar.update)
+                                admission_delay_s=setup.fit.serving_admission_ms / 1000,
+                                delivery_s=setup.fit.delivery_s, on_progress=bar.update)
     loop = assemble_loop(scheduler, manager, worker, replayer, VirtualClock(), trace_capacity=trace_capacity)
 
     async def main() -> None:

@@ -7,9 +7,10 @@ same trace with the same settings and the server's own KV pool size, and sets th
 
 The server's step log splits what is left into its two causes. ``step_cost_ratio`` is how long the served steps
 took against what the fit predicts for them (on a shared machine the same step's cost moves from one minute to
-the next), and ``request_cost_ms`` is this run's own cost of a request outside the engine against the fit's;
-``metrics_with_served_steps`` simulates the trace again with the step costs fitted on this run's own log and its
-own request cost, so its errors are the scheduler's, not the prices'.
+the next), and ``outside_engine_ms`` is this run's own admission and delivery (a request's time outside the
+engine, ``ksana.simulator.calibrate``) against the fit's; ``metrics_with_served_steps`` simulates the trace again
+with the step costs fitted on this run's own log and its own admission and delivery, so its errors are the
+scheduler's, not the prices'.
 """
 
 from __future__ import annotations
@@ -53,13 +54,25 @@ def format_table(metrics: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def outside_engine(admission_ms: float, delivery: Any) -> dict[str, Any]:
+    """A request's admission and a token's delivery (``LatencyFit``'s) as a report records them."""
+    const, per_row = delivery.coef if delivery is not None else (0.0, 0.0)
+    return {"admission": admission_ms, "delivery": {"const": const, "per_row": per_row}}
+
+
+def describe_outside_engine(delays: dict[str, Any]) -> str:
+    delivery = delays["delivery"]
+    return (f"admission {delays['admission']:.1f} ms, delivery {delivery['const']:.1f} + "
+            f"{delivery['per_row']:.2f} ms a row")
+
+
 def format_diagnosis(report: dict[str, Any]) -> str:
-    """The step-cost ratio, the request costs and the table simulated with the run's own costs."""
-    ratio, request = report["step_cost_ratio"], report["request_cost_ms"]
-    served = "n/a" if request["served"] is None else f"{request['served']:.1f} ms"
+    """The step-cost ratio, the time outside the engine and the table simulated with the run's own costs."""
+    ratio, outside = report["step_cost_ratio"], report["outside_engine_ms"]
+    served = "n/a" if outside["served"] is None else describe_outside_engine(outside["served"])
     return (f"served steps took {ratio['all']:.2f}x the fit's prices (median of {ratio['num_steps']}; decode-only "
-            f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); a request cost {served} outside the "
-            f"engine (the fit: {request['fit']:.1f} ms); simulated with this run's own costs:\n"
+            f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); outside the engine: {served} (the "
+            f"fit: {describe_outside_engine(outside['fit'])}); simulated with this run's own costs:\n"
             + format_table(report["metrics_with_served_steps"]))
 
 
@@ -162,9 +175,10 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     from ksana.scheduler.step_log import read_step_log
     from ksana.simulator.calibrate import (
         calibrated,
-        median_cost,
+        fit_delivery,
+        median_admission_ms,
         probe_phases_for,
-        request_costs_ms,
+        request_delays,
         split_steps,
         write_probe,
     )
@@ -183,7 +197,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     if calibrate_first and setup.fit.calibration is None:
         # the probe, then the trace, on one server: the steps that set the prices run in the same process, just
         # before the steps they price (a served step's cost drifts from one server and minute to the next)
-        phases = probe_phases or probe_phases_for(requests)
+        phases = probe_phases or probe_phases_for(requests, setup.config.scheduler.max_batch_size)
         probe_requests, probe = write_probe(folder, phases)
         summaries, num_blocks, began = measure_in_turn(model, flags, [*probe, trace], seed, step_log)
         _warmup, *windows, steps = split_steps(read_step_log(step_log), began)
@@ -204,18 +218,23 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     simulated = simulate(setup)
     metrics = compare(measured, simulated)
     served = fit_logged_steps(steps)
-    request_ms = median_cost(request_costs_ms(measured, requests, steps))  # None: no prompt matched
-    own_request_ms = setup.fit.serving_request_ms if request_ms is None else max(0.0, request_ms)
-    with_served_steps = simulate(attrs.evolve(setup, fit=attrs.evolve(
-        setup.fit, serving_worker=served, serving_request_ms=own_request_ms)))
+    delays = request_delays(measured, requests, steps)
+    admission_ms, delivery = median_admission_ms(delays), fit_delivery(delays)  # None: no prompt matched
+    own = attrs.evolve(setup.fit, serving_worker=served, serving_admission_ms=(
+        setup.fit.serving_admission_ms if admission_ms is None else admission_ms),
+        serving_delivery=setup.fit.serving_delivery if delivery is None else delivery)
+    with_served_steps = simulate(attrs.evolve(setup, fit=own))
     report = {"metrics": metrics, "trace": str(trace), "profile": str(profile), "model": model,
               "serving_worker_ms": (setup.fit.serving_worker.to_json() if setup.fit.serving_worker is not None
                                     else None),
-              "serving_request_ms": setup.fit.serving_request_ms,
+              "serving_admission_ms": setup.fit.serving_admission_ms,
+              "serving_delivery_ms": (setup.fit.serving_delivery.to_json() if setup.fit.serving_delivery is not None
+                                      else None),
               "settings": {k: v for k, v in overrides.items() if v is not None}, "num_blocks": num_blocks,
               "step_cost_ratio": step_cost_ratio(setup.fit, steps),
-              "request_cost_ms": {"fit": setup.fit.serving_request_ms,
-                                  "served": None if request_ms is None else own_request_ms},
+              "outside_engine_ms": {
+                  "fit": outside_engine(setup.fit.serving_admission_ms, setup.fit.serving_delivery),
+                  "served": None if delivery is None else outside_engine(own.serving_admission_ms, delivery)},
               "metrics_with_served_steps": compare(measured, with_served_steps),
               "measured": measured, "simulated": simulated}
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

@@ -262,7 +262,17 @@ def parse_event(endpoint: str, event: bytes) -> tuple[str | None, Any]:
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
-async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], model: str) -> tuple[list, float]:
+@attrs.frozen
+class BenchRun:
+    """One run's results, its duration, and when it started on ``time.monotonic()`` (a server's ``--step-log``
+    clock: a trace request's scheduled arrival is ``started_at + arrival_time_s`` on it)."""
+
+    results: list[RequestResult]
+    duration: float
+    started_at: float
+
+
+async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], model: str) -> BenchRun:
     import trio
 
     if any(r.timestamp is not None for r in requests):
@@ -273,7 +283,7 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], mode
     limit = args.max_concurrency or len(requests)
     semaphore = trio.Semaphore(limit)
     target = Target.parse(args.base_url, args.api_key)
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.monotonic()
     trio_start = trio.current_time()
 
     from_arrival = getattr(args, "trace", None) is not None
@@ -288,8 +298,7 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], mode
         for i, at in enumerate(times):
             await trio.sleep_until(trio_start + at)
             nursery.start_soon(one, i)
-    duration = time.perf_counter() - start
-    return results, duration
+    return BenchRun(results, time.perf_counter() - start, started_at)
 
 
 def summarize(args: argparse.Namespace, requests: list[BenchRequest], results: list[RequestResult],
@@ -428,7 +437,8 @@ def server_info(args: argparse.Namespace) -> dict[str, Any]:
 
 def replay_trace(base_url: str, trace: Path, seed: int = 0,
                  percentiles: tuple[float, ...] = (90.0, 99.0)) -> dict[str, Any]:
-    """Replay a trace against a running server, as ``ksana bench serve --trace`` does; its summary."""
+    """Replay a trace against a running server, as ``ksana bench serve --trace`` does; its summary, with the
+    run's start on the step log's clock (``start_monotonic_s``)."""
     import trio
 
     parser = argparse.ArgumentParser()
@@ -437,8 +447,8 @@ def replay_trace(base_url: str, trace: Path, seed: int = 0,
                               "--metric-percentiles", ",".join(str(p) for p in percentiles)])
     info = server_info(args)
     requests = trace_requests(trace, info.get("vocab_size") or 1000, seed)
-    results, duration = trio.run(benchmark, args, requests, info["id"])
-    return summarize(args, requests, results, duration, info["id"])
+    run = trio.run(benchmark, args, requests, info["id"])
+    return summarize(args, requests, run.results, run.duration, info["id"]) | {"start_monotonic_s": run.started_at}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -463,8 +473,8 @@ def run(args: argparse.Namespace) -> int:
         requests = trace_dataset(Path(args.dataset), args.num_prompts)
     if args.endpoint == "/v1/chat/completions":
         requests = [attrs.evolve(r, prompt=_as_text(args, r.prompt)) for r in requests]
-    results, duration = trio.run(benchmark, args, requests, model)
-    summary = summarize(args, requests, results, duration, model)
+    run = trio.run(benchmark, args, requests, model)
+    summary = summarize(args, requests, run.results, run.duration, model)
     print_table(summary, args.metric_percentiles)
     write_json(summary, args.result_file, options=orjson.OPT_SERIALIZE_NUMPY)
     return 0 if summary["completed"] else 1

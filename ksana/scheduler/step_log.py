@@ -6,12 +6,13 @@ served step costs from (``ksana simulate calibrate``), and what a person reads t
 
     {"step_id": 7, "rows": [[new_tokens, context_after_step], ...], "planned_at": t, "started_at": t,
      "finished_at": t, "result_at": t, "prepare_s": s, "forward_s": s, "sample_s": s,
-     "arrivals": [[row_index, arrived_at], ...]}
+     "arrivals": [[row_index, arrived_at], ...], "request_ids": [id, ...]}
 
 Times are ``time.monotonic()`` seconds: when the scheduler sent the plan, when the worker's thread began and ended
 the step, and when the scheduler had the result. ``arrivals`` names the rows whose request is scheduled for the
-first time, with when the scheduler received it: a request's time in the engine up to its first token is then
-known, and what a client measures beyond that is the request's cost outside the engine (HTTP, the client).
+first time, with when the scheduler received it; ``request_ids`` names each row's request, so a request can be
+followed from its arrival to the step that finishes its prompt. Its time in the engine up to its first token is
+then known, and what a client measures beyond that is its time outside the engine (HTTP, the client).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class LoggedStep:
     forward_s: float
     sample_s: float
     arrivals: tuple[tuple[int, float], ...] = ()
+    request_ids: tuple[str, ...] = ()
 
     @property
     def duration_s(self) -> float:
@@ -45,12 +47,13 @@ class LoggedStep:
 
     def to_json(self) -> dict:
         return {**attrs.asdict(self), "rows": [list(row) for row in self.rows],
-                "arrivals": [list(arrival) for arrival in self.arrivals]}
+                "arrivals": [list(arrival) for arrival in self.arrivals], "request_ids": list(self.request_ids)}
 
     @classmethod
     def from_json(cls, data: dict) -> LoggedStep:
         return cls(**{**data, "rows": tuple((int(q), int(c)) for q, c in data["rows"]),
-                      "arrivals": tuple((int(i), float(t)) for i, t in data.get("arrivals", ()))})
+                      "arrivals": tuple((int(i), float(t)) for i, t in data.get("arrivals", ())),
+                      "request_ids": tuple(str(r) for r in data.get("request_ids", ()))})
 
 
 class StepLog:
@@ -59,7 +62,8 @@ class StepLog:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._file: IO[bytes] = self.path.open("wb", buffering=0)  # a line per step survives a killed server
-        self._planned: dict[int, tuple[tuple[tuple[int, int], ...], float, tuple[tuple[int, float], ...]]] = {}
+        self._planned: dict[int, tuple[tuple[tuple[int, int], ...], float, tuple[tuple[int, float], ...],
+                                       tuple[str, ...]]] = {}
         self._arrived: dict[str, float] = {}  # requests not yet in a plan
 
     def arrived(self, request_id: str) -> None:
@@ -73,12 +77,13 @@ class StepLog:
         rows = tuple((row.num_new_tokens, row.seq_len) for row in plan.rows)
         arrivals = tuple((index, self._arrived.pop(row.request_id)) for index, row in enumerate(plan.rows)
                          if row.request_id in self._arrived)
-        self._planned[plan.step_id] = (rows, time.monotonic(), arrivals)
+        ids = tuple(row.request_id for row in plan.rows)
+        self._planned[plan.step_id] = (rows, time.monotonic(), arrivals, ids)
 
     def finished(self, step_id: int, timings: StepTimings) -> None:
-        rows, planned_at, arrivals = self._planned.pop(step_id)
+        rows, planned_at, arrivals, ids = self._planned.pop(step_id)
         step = LoggedStep(step_id, rows, planned_at, timings.started_at, timings.finished_at, time.monotonic(),
-                          timings.prepare_s, timings.forward_s, timings.sample_s, arrivals)
+                          timings.prepare_s, timings.forward_s, timings.sample_s, arrivals, ids)
         self._file.write(orjson.dumps(step.to_json()) + b"\n")
 
     def close(self) -> None:

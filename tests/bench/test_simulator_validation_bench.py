@@ -20,3 +20,11 @@ def test_repeated_runs_compare_the_medians_of_each_side() -> None:
     assert row["measured"] == 100.0 and row["simulated"] == 120.0
     assert row["rel_error"] == pytest.approx(0.2)
     assert bench.median_metrics([_table(50.0, 40.0)]) == _table(50.0, 40.0)
+
+
+def test_the_runs_time_outside_the_engine_is_each_figures_median() -> None:
+    bench = load_bench("simulator_validation")
+    runs = [{"admission": a, "delivery": {"const": c, "per_row": r}}
+            for a, c, r in ((7.0, 4.0, 1.5), (9.0, 2.0, 0.5), (6.0, 5.0, 1.0))]
+    assert bench.median_outside([*runs, None]) == {"admission": 7.0, "delivery": {"const": 4.0, "per_row": 1.0}}
+    assert bench.median_outside([None, None]) is None

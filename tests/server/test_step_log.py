@@ -30,3 +30,11 @@ def test_the_step_log_holds_every_step_with_its_shape_and_times(tmp_path):
     arrivals = [(step, index, at) for step in steps for index, at in step.arrivals]
     assert sorted(step.rows[index] for step, index, _ in arrivals) == sorted((len(p), len(p)) for p in prompts)
     assert all(at <= step.planned_at for step, _, at in arrivals)
+    # Each row names its request: a request's rows, step after step, hold its prompt and then one token a step.
+    assert all(len(step.request_ids) == len(step.rows) for step in steps)
+    by_request: dict[str, list[tuple[int, int]]] = {}
+    for step in steps:
+        for request_id, row in zip(step.request_ids, step.rows, strict=True):
+            by_request.setdefault(request_id, []).append(row)
+    assert sorted(rows[0] for rows in by_request.values()) == sorted((len(p), len(p)) for p in prompts)
+    assert all(rows[1:] == [(1, rows[0][1] + k) for k in range(1, max_tokens)] for rows in by_request.values())

@@ -13,7 +13,7 @@ EXACT = HeldOutError(folds=5, mean=0.0, p50=0.0, p90=0.0, max=0.0)
 
 def linear_fit(identity: dict, *, const_ms: float = 10.0, prefill_token_ms: float = 0.1,
                decode_row_ms: float = 0.0, engine_ms: float = 0.0, serving_worker: LinearModel | None = None,
-               serving_request_ms: float = 0.0) -> LatencyFit:
+               serving_admission_ms: float = 0.0, serving_delivery: LinearModel | None = None) -> LatencyFit:
     """Worker: ``const_ms + prefill_token_ms * prefill tokens + decode_row_ms * decode rows``; engine: a constant."""
     worker = LinearModel(FEATURES, (const_ms, prefill_token_ms, 0.0, decode_row_ms, 0.0, 0.0, 0.0))
     engine = LinearModel(FEATURES, (engine_ms, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
@@ -21,7 +21,7 @@ def linear_fit(identity: dict, *, const_ms: float = 10.0, prefill_token_ms: floa
     return LatencyFit(identity=identity, provenance={}, worker=FittedModel(worker, EXACT),
                       engine=FittedModel(engine, EXACT), baseline=FittedModel(baseline, EXACT), groups={},
                       serving_worker=FittedModel(serving_worker, EXACT) if serving_worker is not None else None,
-                      serving_request_ms=serving_request_ms)
+                      serving_admission_ms=serving_admission_ms, serving_delivery=serving_delivery)
 
 
 def demo_identity(folder: Path) -> dict:

@@ -34,10 +34,11 @@ def test_calibration_prices_steps_from_the_probes_step_log(tmp_path, slow_fit):
     logged = read_step_log(fit.calibration["probe"]["step_log"])
     steps = logged[-fit.calibration["probe"]["num_steps"]:]  # after the warm-up's
     assert 0 < len(steps) < len(logged)
-    # every probe request's prompt fits one step, so each has a measured cost outside the engine
+    # every probe request is followed from its arrival through each of its tokens' steps to its client's reads
     by_phase = fit.calibration["phases"]
     assert [p["num_requests"] for p in by_phase] == [p["num"] for p in SMALL_PROBE]
-    assert fit.serving_request_ms == max(0.0, by_phase[0]["median_ms"])  # the lightest phase's (SMALL_PROBE's first)
+    assert fit.serving_admission_ms >= 0.0 and all(p["admission_ms"] is not None for p in by_phase)
+    assert all(c >= 0 for c in fit.serving_delivery.coef) and all(p["delivery_ms"] is not None for p in by_phase)
     assert all(c >= 0 for c in fit.serving_worker.model.coef)
     # The slow fit's 10 ms a step is gone: the steps are priced as they ran (the fit minimises relative error, so
     # the median step is where it matches; the demo's few slow steps, a collection or a first call, are not).
@@ -53,7 +54,9 @@ def test_validation_reports_the_step_prices_and_the_run_with_its_own_step_costs(
     assert ratio["num_steps"] == len(read_step_log(tmp_path / "validation" / "measured_steps.jsonl")) > 0
     assert ratio["all"] < 1.0  # the demo's steps take well under the fit's 10 ms
     assert set(report["metrics_with_served_steps"]) == {name for name, _ in METRICS}
-    assert report["request_cost_ms"]["fit"] == 0.0 and report["request_cost_ms"]["served"] >= 0.0
+    outside = report["outside_engine_ms"]
+    assert outside["fit"] == {"admission": 0.0, "delivery": {"const": 0.0, "per_row": 0.0}}
+    assert outside["served"]["admission"] >= 0.0 and min(outside["served"]["delivery"].values()) >= 0.0
     with_fit, with_served = report["metrics"]["e2el_p50_ms"], report["metrics_with_served_steps"]["e2el_p50_ms"]
     assert with_served["rel_error"] < with_fit["rel_error"]
 
@@ -72,4 +75,5 @@ def test_validation_calibrates_on_the_server_it_measures(tmp_path, slow_fit):
     assert probe_steps > 0 and trace_steps > 0 and probe_steps + trace_steps < len(logged)
     prompts = sorted(r.prompt_len for r in read_trace(trace))
     assert sorted(c for step in logged[-trace_steps:] for q, c in step.rows if q == c and q > 1) == prompts
-    assert report["serving_request_ms"] == fit.serving_request_ms >= 0.0
+    assert report["serving_admission_ms"] == fit.serving_admission_ms >= 0.0
+    assert report["serving_delivery_ms"] == fit.serving_delivery.to_json()

@@ -3,6 +3,7 @@ exactly, async scheduling hides the engine's time, a small KV pool preempts, and
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -62,12 +63,12 @@ def test_async_scheduling_hides_the_engine_time_while_a_request_waits(tmp_path, 
     assert all(len(t.token_times_s) == 3 for t in result.timelines)
 
 
-def test_a_calibrated_fit_prices_steps_as_served_and_adds_the_request_cost(tmp_path, identity):
+def test_a_calibrated_fit_prices_steps_as_served_and_adds_the_admission(tmp_path, identity):
     """The served steps' model (15 ms a step, 0.1 ms a prefill token, 2 ms a row) replaces perf mode's (10 ms a
     step, 0.1 ms a prefill token); the first request reaches the engine 30 ms after its arrival, from which its
     latencies count."""
     served = LinearModel(FEATURES, (15.0, 0.1, 0.0, 0.0, 0.0, 0.0, 2.0))
-    setup = _setup(tmp_path, identity, serving_worker=served, serving_request_ms=30.0)
+    setup = _setup(tmp_path, identity, serving_worker=served, serving_admission_ms=30.0)
     assert setup.fit.serving_worker.model == served  # through the saved fit's JSON
     result = run_simulation(setup, [TraceRequest(0.0, 100, 3), TraceRequest(0.0, 100, 3)], progress=False)
     # the first prefill (15 + 10 + 2 ms); the second prefill, which came while it ran, beside its decode
@@ -77,41 +78,88 @@ def test_a_calibrated_fit_prices_steps_as_served_and_adds_the_request_cost(tmp_p
     assert _ms(result.timelines[1].token_times_s) == [86.0, 105.0, 122.0]
 
 
-def test_a_requests_cost_outside_the_engine_is_its_client_ttft_less_the_engines():
+def test_tokens_reach_their_clients_within_their_steps_delivery_window(tmp_path, identity):
+    """A token reaches its client ``const + u * 2 * per_row * rows`` ms after its step's result (1 ms and 2 ms a
+    row here, four rows a decode step: 1 to 17 ms, 9 on average), in its stream's order; the steps themselves run
+    as without a delivery, which happens outside the engine."""
+    requests = [TraceRequest(0.0, 100, 40) for _ in range(4)]
+    plain = run_simulation(_setup(tmp_path, identity), requests, progress=False)
+    delivered = run_simulation(_setup(tmp_path, identity, serving_delivery=LinearModel(("const", "rows"),
+                                                                                       (1.0, 2.0))),
+                               requests, progress=False)
+    assert [(s.started_at, s.finished_at) for s in delivered.steps] == [(s.started_at, s.finished_at)
+                                                                         for s in plain.steps]
+    late = [(d - p) * 1000 for before, after in zip(plain.timelines, delivered.timelines, strict=True)
+            for p, d in zip(before.token_times_s[1:], after.token_times_s[1:], strict=True)]  # the decodes'
+    assert all(1.0 - 1e-9 <= ms <= 17.0 + 1e-9 for ms in late)
+    assert 8.0 <= sum(late) / len(late) <= 11.0  # a little above 9: a token held behind the one before it
+    assert all(t.token_times_s == sorted(t.token_times_s) for t in delivered.timelines)
+
+
+def test_a_requests_time_outside_the_engine_splits_at_the_engine():
+    """The admission runs from a request's due time (the load generator's start plus its arrival) to the
+    scheduler's receipt; each token's delivery from the result of the step that computed it to its client's read.
+    The step log's request ids follow a request through its prompt's chunks and its decodes."""
     from ksana.scheduler.step_log import LoggedStep
-    from ksana.simulator.calibrate import median_cost, request_costs_ms
+    from ksana.simulator.calibrate import RequestDelay, fit_delivery, median_admission_ms, request_delays
 
-    def step(rows, arrivals, planned_at, result_at):
-        return LoggedStep(0, rows, planned_at, planned_at, result_at, result_at, 0.0, 0.0, 0.0, arrivals)
+    def step(rows, ids, arrivals, result_at):
+        return LoggedStep(0, rows, result_at - 0.05, result_at - 0.05, result_at, result_at, 0.0, 0.0, 0.0,
+                          arrivals, ids)
 
-    requests = [TraceRequest(0.0, 100, 4), TraceRequest(1.0, 50, 4), TraceRequest(2.0, 300, 4)]
-    # The first request reaches the scheduler at 10.01 and its prompt's step returns at 10.10; the second's prompt
-    # is computed beside a decode row; the third's in two chunks, the second of which returns at 12.75.
-    steps = [step(((100, 100),), ((0, 10.01),), 10.02, 10.10),
-             step(((1, 101), (50, 50)), ((1, 11.02),), 11.03, 11.08),
-             step(((256, 256),), ((0, 12.01),), 12.02, 12.50),
-             step(((1, 51), (44, 300)), (), 12.51, 12.75)]
-    measured = {"requests": [{"success": True, "ttft": 0.12}, {"success": True, "ttft": 0.09},
-                             {"success": True, "ttft": 0.80}]}
-    costs = request_costs_ms(measured, requests, steps)
-    assert costs == pytest.approx([120 - 90, 90 - 60, 800 - 740])
-    assert median_cost(costs) == pytest.approx(30.0)
-    assert median_cost([None]) is None
-    # A failed request, an arrival whose prompt is not the request's (matched out of order), a prompt whose last
-    # chunk never ran, or a first step that does not start the prompt afresh (a prefix-cache hit): no cost.
-    failed = {"requests": [{"success": False, "ttft": 0.0}, *measured["requests"][1:]]}
-    assert request_costs_ms(failed, requests, steps)[0] is None
-    swapped = [TraceRequest(0.0, 50, 4), TraceRequest(1.0, 100, 4), requests[2]]
-    assert request_costs_ms(measured, swapped, steps)[:2] == [None, None]
-    assert request_costs_ms(measured, requests, steps[:3])[2] is None
-    cached = [step(((36, 100),), ((0, 10.01),), 10.02, 10.10), *steps[1:]]
-    assert request_costs_ms(measured, requests, cached)[0] is None
+    requests = [TraceRequest(0.0, 100, 3), TraceRequest(1.0, 300, 2)]
+    # "a" is due at 10.0 and received at 10.004; "b" at 11.0 and 11.002, its prompt in two chunks beside a row of
+    # another request whose context passes 300 (a prefix of "b"'s length, not "b")
+    steps = [step(((100, 100),), ("a",), ((0, 10.004),), 10.10),
+             step(((1, 101),), ("a",), (), 10.12),
+             step(((1, 102),), ("a",), (), 10.14),
+             step(((256, 256), (1, 310)), ("b", "c"), ((0, 11.002),), 11.10),
+             step(((44, 300), (1, 311)), ("b", "c"), (), 11.30),
+             step(((1, 301),), ("b",), (), 11.32)]
+    measured = {"start_monotonic_s": 10.0, "requests": [
+        {"success": True, "ttft": 0.11, "itl": [0.03, 0.02]},  # read at 10.11, 10.14 and 10.16
+        {"success": True, "ttft": 0.31, "itl": [0.05]}]}  # read at 11.31 and 11.36
+    delays = request_delays(measured, requests, steps)
+    assert delays[0].admission_ms == pytest.approx(4.0) and delays[1].admission_ms == pytest.approx(2.0)
+    assert [(rows, round(ms, 6)) for rows, ms in delays[0].deliveries] == [(1, 10.0), (1, 20.0), (1, 20.0)]
+    assert [(rows, round(ms, 6)) for rows, ms in delays[1].deliveries] == [(2, 10.0), (1, 40.0)]
+    assert median_admission_ms(delays) == pytest.approx(3.0)
+    assert median_admission_ms([None]) is None and fit_delivery([None]) is None
+    line = [RequestDelay(0.0, tuple((rows, 1.0 + 2.0 * rows) for rows in (1, 2, 4, 10)))]
+    assert fit_delivery(line).coef == pytest.approx((1.0, 2.0))
+    # A failed request, an arrival whose prompt is not the request's (matched out of order), or a first step that
+    # does not start the prompt afresh (a prefix-cache hit): no delays. A prompt whose last chunk never ran: no
+    # deliveries.
+    failed = {**measured, "requests": [{"success": False, "ttft": 0.0, "itl": []}, measured["requests"][1]]}
+    assert request_delays(failed, requests, steps)[0] is None
+    swapped = [TraceRequest(0.0, 50, 4), TraceRequest(1.0, 100, 4)]
+    assert request_delays(measured, swapped, steps) == [None, None]
+    cached = [step(((36, 100),), ("a",), ((0, 10.004),), 10.10), *steps[1:]]
+    assert request_delays(measured, requests, cached)[0] is None
+    assert request_delays(measured, requests, steps[:4])[1].deliveries == ()
+
+
+def test_a_fit_keeps_its_admission_and_delivery_and_reads_a_single_request_cost_as_delivery(tmp_path, identity):
+    from ksana.simulator.fit import load_fit
+
+    delivery = LinearModel(("const", "rows"), (4.0, 0.5))
+    fit = load_fit(linear_fit(identity, serving_admission_ms=3.0, serving_delivery=delivery).save(tmp_path / "f.json"))
+    assert (fit.serving_admission_ms, fit.serving_delivery) == (3.0, delivery)
+    assert fit.delivery_s(10) == pytest.approx(0.009) and fit.delivery_s(10, 0.0) == pytest.approx(0.004)
+    old = {**linear_fit(identity).to_json(), "version": 1, "serving_request_ms": 12.0}
+    del old["serving_admission_ms"], old["serving_delivery_ms"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    read = load_fit(tmp_path / "old.json")
+    assert read.serving_admission_ms == 0.0 and read.delivery_s(60, 0.9) == pytest.approx(0.012)
 
 
 def test_the_probe_burst_widens_to_cover_the_trace():
     from ksana.simulator.calibrate import PROBE_PHASES, probe_phases_for
 
     burst, light = probe_phases_for([TraceRequest(0.0, 1500, 16), TraceRequest(1.0, 700, 300)])
+    assert burst["num"] == PROBE_PHASES[0]["num"]  # as many requests as the trace could run at once, at least
+    wide, _ = probe_phases_for([TraceRequest(0.0, 100, 70)] * 100, max_batch_size=64)
+    assert wide["num"] == 64
     assert PROBE_PHASES[0]["rate"] > PROBE_PHASES[1]["rate"]  # the burst warms the server before the light phase
     assert light == PROBE_PHASES[1]
     assert burst["input_len"] == (PROBE_PHASES[0]["input_len"][0], 1500)

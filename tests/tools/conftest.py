@@ -3,8 +3,6 @@ third of -O3's time."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 
@@ -12,11 +10,6 @@ import pytest
 def quick_tool_builds():
     from tests.tools import load_tool
 
-    name = load_tool("_sources").EXTRA_FLAGS_ENV
-    previous = os.environ.get(name)
-    os.environ[name] = "-O1"
-    yield
-    if previous is None:
-        del os.environ[name]
-    else:
-        os.environ[name] = previous
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(load_tool("_sources").EXTRA_FLAGS_ENV, "-O1")
+        yield
