@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "packed_linear.h"
 
@@ -44,21 +45,25 @@ void tile(const float *a, const T *w, int64_t panel_len, int64_t K, const T *bia
 }
 
 // 9-16 input rows (MR) x 2 panels in two halves of rows, 8 and MR - 8, one kSplitK-long block of k at a time: each
-// half's 16 accumulators come from (and go back to) the stack between blocks, while the block's 2 KiB of weights
-// stay in L1 for the second half. Per k that is 2 weight loads and 8 broadcasts for 16 FMAs, where the one-panel
-// tile needs 17 loads for 16, so the weights stream faster (tools/decode_ab.py). Each half prefetches one panel's
-// stream, so the requests go out evenly over the block; past its panel's end the prefetch goes on in the next
-// group's same panel (two panels on when the panels are adjacent, one when a pair's are far apart). The first half
-// also warms a line of the thread's KV list (kv_warming) per k: at 16 rows the projection is bound by the FMAs
-// and reads its weights at about half the read ceiling, so the attention after it finds most of its first task's
-// keys and values in L2 (a task of 512 positions is 786 KiB of smollm2's float32 KV, within a 1 MiB L2); warming
-// more costs more than it saves (tools/decode_ab.py). Every output is the same sum in the same order as the
-// one-panel tile's.
+// half's 16 accumulators come from (and go back to) the stack between blocks, while the block's 2 KiB of weights stay
+// in L1 for the second half. Per k that is 2 weight loads and 8 broadcasts for 16 FMAs, where the one-panel tile needs
+// 17 loads for 16, so the weights stream faster (tools/decode_ab.py). A bfloat16 block is widened once, by the first
+// half, for both: the fused decode step at batch 16 took 0.94x the time of widening it in each half (tools/decode_ab.py
+// --dtype bfloat16, AVX-512). Each half prefetches one panel's stream, so the requests go out evenly over the block;
+// past its panel's end the prefetch goes on in the next group's same panel (two panels on when the panels are adjacent,
+// one when a pair's are far apart). The first half also warms a line of the thread's KV list (kv_warming) per k: at 16
+// rows the projection is bound by the FMAs and reads its weights at about half the read ceiling, so the attention after
+// it finds most of its first task's keys and values in L2 (a task of 512 positions is 786 KiB of smollm2's float32 KV,
+// within a 1 MiB L2); warming more costs more than it saves (tools/decode_ab.py). Every output is the same sum in the
+// same order as the one-panel tile's.
 template <typename T, int MR>
 void split_tile(const float *a, const T *w, int64_t panel_len, int64_t K, const T *bias, T *out, int64_t ldo,
                 int rows, int last_cols) {
     KvWarm *warming = kv_warming;
     V saved[2][kRowTile][2];
+    // the first half's widened bfloat16 block, for the second (the widening's shuffles compete with the FMAs)
+    constexpr bool widens = !std::is_same_v<T, float>;
+    alignas(64) float wide[widens ? kSplitK : 1][2][kPanel];
     const int64_t run = K * kPanel, jump = panel_len == run ? panel_len : 0;
     for (int64_t k0 = 0; k0 < K; k0 += kSplitK) {
         const int64_t k1 = k0 + kSplitK < K ? k0 + kSplitK : K;
@@ -74,7 +79,17 @@ void split_tile(const float *a, const T *w, int64_t panel_len, int64_t K, const 
                 acc1[m] = k0 && m < hr ? saved[h][m][1] : V::zero();
             }
             for (int64_t k = k0; k < k1; k++) {
-                V b0 = V::load(w + k * kPanel), b1 = V::load(w + panel_len + k * kPanel);
+                V b0, b1;
+                if constexpr (widens) {
+                    if (h) {  // the first half's widened weights
+                        b0 = V::load(wide[k - k0][0]), b1 = V::load(wide[k - k0][1]);
+                    } else {
+                        b0 = V::load(w + k * kPanel), b1 = V::load(w + panel_len + k * kPanel);
+                        b0.store(wide[k - k0][0]), b1.store(wide[k - k0][1]);
+                    }
+                } else {
+                    b0 = V::load(w + k * kPanel), b1 = V::load(w + panel_len + k * kPanel);
+                }
                 const int64_t f1 = k * kPanel + kPrefetchL1, f2 = k * kPanel + kPrefetchL2;
                 prefetch_l1(ws + (f1 < run ? f1 : f1 + jump));
                 prefetch_l2(ws + (f2 < run ? f2 : f2 + jump));
