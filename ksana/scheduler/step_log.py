@@ -11,7 +11,7 @@ served step costs from (``ksana simulate calibrate``), and what a person reads t
 Times are ``time.monotonic()`` seconds: when the scheduler sent the plan, when the worker's thread began and ended
 the step, and when the scheduler had the result. ``arrivals`` names the rows whose request is scheduled for the
 first time, with when the scheduler received it; ``request_ids`` names each row's request, so a request can be
-followed from its arrival to the step that finishes its prompt. Its time in the engine up to its first token is
+followed from its arrival through the steps that compute its tokens. Its time in the engine up to each token is
 then known, and what a client measures beyond that is its time outside the engine (HTTP, the client).
 """
 
