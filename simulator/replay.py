@@ -49,7 +49,7 @@ class WorkloadReplayer(Actor):
         self.max_token_len = max_token_len
         self.seed = seed
         self.admission_delay_s = admission_delay_s
-        self.delivery_s = delivery_s or (lambda _rows, _position: 0.0)
+        self.delivery_s = delivery_s
         self._positions = random.Random(seed)
         self.on_progress = on_progress
         self.num_open = len(self.requests)
@@ -77,9 +77,10 @@ class WorkloadReplayer(Actor):
         for delta in msg.deltas:
             index, infer = self._infer[delta.request_id]
             timeline = self.timelines[index]
-            # a stream's chunks arrive in order: a token never overtakes the one before it
-            delivered = max(now + self.delivery_s(len(msg.deltas), self._positions.random()),
-                            timeline.token_times_s[-1] if timeline.token_times_s else 0.0)
+            delivered = now
+            if self.delivery_s is not None:  # a stream's chunks arrive in order: no token overtakes the one before
+                delivered = max(now + self.delivery_s(len(msg.deltas), self._positions.random()),
+                                timeline.token_times_s[-1] if timeline.token_times_s else 0.0)
             timeline.token_times_s += [delivered] * len(delta.new_token_ids)
             if delta.finish_reason is not None:
                 timeline.finished_s = delivered

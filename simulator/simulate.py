@@ -121,7 +121,8 @@ def run_simulation(setup: SimulationSetup, requests: Sequence[TraceRequest], *, 
     bar = tqdm(total=len(requests), desc="simulating", unit="req", disable=not progress, leave=False)
     replayer = WorkloadReplayer(requests, shape.vocab_size, eos, layout.max_token_len, seed=seed,
                                 admission_delay_s=setup.fit.serving_admission_ms / 1000,
-                                delivery_s=setup.fit.delivery_s, on_progress=bar.update)
+                                delivery_s=setup.fit.delivery_s if setup.fit.serving_delivery is not None else None,
+                                on_progress=bar.update)
     loop = assemble_loop(scheduler, manager, worker, replayer, VirtualClock(), trace_capacity=trace_capacity)
 
     async def main() -> None:
