@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_diagnosis(reports[-1]), flush=True)
         metrics = median_metrics([report["metrics"] for report in reports])
         with_served_steps = median_metrics([report["metrics_with_served_steps"] for report in reports])
+        with_served_speed = median_metrics([report["metrics_with_served_speed"] for report in reports])
         if args.repeats > 1:
             print(f"-- medians of {args.repeats} runs", flush=True)
             print(format_table(metrics), flush=True)
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                      for r in reports])},
                      "metrics_with_served_steps": with_served_steps,
                      "max_rel_error_with_served_steps": max(row["rel_error"] for row in with_served_steps.values()),
+                     "metrics_with_served_speed": with_served_speed,
+                     "max_rel_error_with_served_speed": max(row["rel_error"] for row in with_served_speed.values()),
                      "runs": [{"metrics": r["metrics"], "step_cost_ratio": r["step_cost_ratio"],
                                "outside_engine_ms": r["outside_engine_ms"],
                                "max_rel_error": max(row["rel_error"] for row in r["metrics"].values())}

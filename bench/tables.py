@@ -159,9 +159,16 @@ def simulator_rows(report: dict[str, Any]) -> Iterator[Row]:
             took = (f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else f"{ratios[0]:.2f}x")
             diagnosis = (f"; the served steps took {took} the fit's prices"
                          f"{request_text}; with this run's own costs {run['max_rel_error_with_served_steps']:.1%} "
-                         "at most")
+                         "at most" + speed_text(run))
         yield (figure, f"**{run['max_rel_error']:.1%}** at most ({errors}){diagnosis}",
                *_at_most(run["max_rel_error"] * 100, target * 100, f"{target:.0%} each"))
+
+
+def speed_text(run: dict[str, Any]) -> str:
+    """The error left with the fit's prices at the run's own speed over time, where the run measured it."""
+    if "max_rel_error_with_served_speed" not in run:
+        return ""
+    return f", with the fit's prices at its own speed over time {run['max_rel_error_with_served_speed']:.1%}"
 
 
 def outside_engine_text(run: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ from ksana.models.shape import ModelShape
 from ksana.simulator.fit import LatencyFit, check_identity, load_fit
 from ksana.simulator.profile import IDENTITY_KEYS
 from ksana.simulator.replay import RequestTimeline, WorkloadReplayer
+from ksana.simulator.served_speed import ServedSpeed
 from ksana.simulator.worker import SimulatedWorker, SpecAcceptance, StepRecord
 from ksana.spec.stats import SpecDecodingStats
 
@@ -111,13 +112,15 @@ def prepare(model: str | None, config_path: str | None, overrides: dict[str, Any
 
 
 def run_simulation(setup: SimulationSetup, requests: Sequence[TraceRequest], *, seed: int = 0,
-                   progress: bool = True, trace_capacity: int = 0, source: str = "trace") -> SimulationResult:
-    """Replay ``requests`` through a fresh scheduler and cache manager; returns every request's timeline."""
+                   progress: bool = True, trace_capacity: int = 0, source: str = "trace",
+                   speed: ServedSpeed | None = None) -> SimulationResult:
+    """Replay ``requests`` through a fresh scheduler and cache manager; returns every request's timeline.
+    ``speed``: a served run's speed over time to scale the step prices by (``SimulatedWorker``)."""
     shape, layout = setup.shape, setup.layout
     check_fits(requests, layout.max_token_len, shape.vocab_size, source)
     scheduler, manager = build_scheduling(setup.config, layout)
     eos = tuple(shape.eos_token_ids)
-    worker = SimulatedWorker(setup.fit, shape.vocab_size, eos, setup.spec)
+    worker = SimulatedWorker(setup.fit, shape.vocab_size, eos, setup.spec, speed)
     bar = tqdm(total=len(requests), desc="simulating", unit="req", disable=not progress, leave=False)
     replayer = WorkloadReplayer(requests, shape.vocab_size, eos, layout.max_token_len, seed=seed,
                                 admission_delay_s=setup.fit.serving_admission_ms / 1000,

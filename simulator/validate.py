@@ -9,8 +9,10 @@ The server's step log splits what is left into its two causes. ``step_cost_ratio
 took against what the fit predicts for them (on a shared machine the same step's cost moves from one minute to
 the next), and ``outside_engine_ms`` is this run's own admission and delivery (a request's time outside the
 engine, ``ksana.simulator.calibrate``) against the fit's; ``metrics_with_served_steps`` simulates the trace again
-with the step costs fitted on this run's own log and its own admission and delivery, so its errors are the
-scheduler's, not the prices'.
+with the step costs fitted on this run's own log and its own admission and delivery, and
+``metrics_with_served_speed`` with the fit's prices scaled by how fast this run's steps ran at each moment
+(``ksana.simulator.served_speed``) and its own admission and delivery: the errors left there are the scheduler's and
+the step model's, not the machine's.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def format_diagnosis(report: dict[str, Any]) -> str:
     return (f"served steps took {ratio['all']:.2f}x the fit's prices (median of {ratio['num_steps']}; decode-only "
             f"{ratio['decode']:.2f}x, with a prefill {ratio['prefill']:.2f}x); outside the engine: {served} (the "
             f"fit: {describe_outside_engine(outside['fit'])}); simulated with this run's own costs:\n"
-            + format_table(report["metrics_with_served_steps"]))
+            + format_table(report["metrics_with_served_steps"])
+            + "\nsimulated with the fit's prices at this run's speed over time:\n"
+            + format_table(report["metrics_with_served_speed"]))
 
 
 def server_flags(overrides: dict[str, Any], config_path: str | None) -> list[str]:
@@ -184,6 +188,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     )
     from ksana.simulator.fit import fit_logged_steps
     from ksana.simulator.report import build_report
+    from ksana.simulator.served_speed import served_speed
     from ksana.simulator.simulate import prepare, run_simulation
 
     out, trace = Path(out), Path(trace)
@@ -210,8 +215,8 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
         steps = read_step_log(step_log)
     setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
 
-    def simulate(setup_) -> dict[str, Any]:
-        result = run_simulation(setup_, requests, seed=seed, progress=progress, source=str(trace))
+    def simulate(setup_, speed=None) -> dict[str, Any]:
+        result = run_simulation(setup_, requests, seed=seed, progress=progress, source=str(trace), speed=speed)
         return build_report(result.timelines, model=model, request_rate=math.inf, burstiness=1.0,
                             dataset=str(trace), seed=seed, goodput=None, percentiles=PERCENTILES)
 
@@ -224,6 +229,9 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
         setup.fit.serving_admission_ms if admission_ms is None else admission_ms),
         serving_delivery=setup.fit.serving_delivery if delivery is None else delivery)
     with_served_steps = simulate(attrs.evolve(setup, fit=own))
+    speed = served_speed(setup.fit, steps, measured["start_monotonic_s"])
+    with_served_speed = simulate(attrs.evolve(setup, fit=attrs.evolve(own, serving_worker=setup.fit.serving_worker)),
+                                 speed)
     report = {"metrics": metrics, "trace": str(trace), "profile": str(profile), "model": model,
               "serving_worker_ms": (setup.fit.serving_worker.to_json() if setup.fit.serving_worker is not None
                                     else None),
@@ -236,6 +244,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
                   "fit": outside_engine(setup.fit.serving_admission_ms, setup.fit.serving_delivery),
                   "served": None if delivery is None else outside_engine(own.serving_admission_ms, delivery)},
               "metrics_with_served_steps": compare(measured, with_served_steps),
+              "metrics_with_served_speed": compare(measured, with_served_speed), "served_speed": speed.to_json(),
               "measured": measured, "simulated": simulated}
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return report

@@ -25,6 +25,7 @@ from ksana.events import Actor, handles
 from ksana.messages import ExecuteStep, SampledToken, ScheduledRow, StepPlan, StepResult, StepTimings
 from ksana.simulator.features import StepShape
 from ksana.simulator.fit import LatencyFit
+from ksana.simulator.served_speed import ServedSpeed
 
 
 @attrs.frozen
@@ -59,17 +60,21 @@ class SimulatedWorker(Actor):
     name = "worker"
 
     def __init__(self, fit: LatencyFit, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
-                 spec: SpecAcceptance | None = None) -> None:
+                 spec: SpecAcceptance | None = None, speed: ServedSpeed | None = None) -> None:
+        """``speed``: a served run's speed over time, scaling each step's price by the factor at its start (a
+        diagnostic of ``ksana simulate validate``: the simulation as if it knew the machine's slow stretches)."""
         self.fit = fit
         self.spec = spec
+        self.speed = speed
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.steps: list[StepRecord] = []
         self.busy_s = 0.0
-        self._free_at = 0.0
+        self._origin = 0.0
         self._plans_tx: trio.MemorySendChannel[tuple[StepPlan, float]] | None = None
 
     async def on_start(self) -> None:
+        self._origin = trio.current_time()
         self._plans_tx, plans_rx = trio.open_memory_channel[tuple[StepPlan, float]](float("inf"))
         self.start_soon(self._run_steps, plans_rx)
 
@@ -82,6 +87,8 @@ class SimulatedWorker(Actor):
             shape = StepShape.from_plan(plan)
             start = max(trio.current_time(), arrived_at + self.fit.engine_s(shape))
             duration = self.fit.worker_s(shape)
+            if self.speed is not None:
+                duration *= self.speed.factor(shape, start - self._origin)
             await trio.sleep_until(start + duration)
             self.busy_s += duration
             self.steps.append(StepRecord(plan.step_id, start, start + duration, len(plan.rows), shape.num_tokens,

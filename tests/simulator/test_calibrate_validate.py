@@ -46,7 +46,7 @@ def test_calibration_prices_steps_from_the_probes_step_log(tmp_path, slow_fit):
     assert statistics.median(ratios) == pytest.approx(1.0, abs=0.25)
 
 
-def test_validation_reports_the_step_prices_and_the_run_with_its_own_step_costs(tmp_path, slow_fit):
+def test_validation_reports_the_step_prices_and_the_run_with_its_own_costs_and_speed(tmp_path, slow_fit):
     trace = write_trace(tmp_path / "trace.jsonl", synthetic_trace(8, 30.0, (8, 48), (4, 12), seed=5))
     report = validate("demo", trace, slow_fit, None, {"dtype": "float32"}, tmp_path / "validation.json",
                       progress=False, calibrate_first=False)
@@ -59,6 +59,10 @@ def test_validation_reports_the_step_prices_and_the_run_with_its_own_step_costs(
     assert outside["served"]["admission"] >= 0.0 and min(outside["served"]["delivery"].values()) >= 0.0
     with_fit, with_served = report["metrics"]["e2el_p50_ms"], report["metrics_with_served_steps"]["e2el_p50_ms"]
     assert with_served["rel_error"] < with_fit["rel_error"]
+    # the fit's prices at the run's own speed: the demo's steps ran at a fraction of the slow fit's 10 ms
+    assert 0.0 < max(report["served_speed"]["decode"]["factors"]) < 1.0
+    at_speed = report["metrics_with_served_speed"]["e2el_p50_ms"]
+    assert at_speed["rel_error"] < with_fit["rel_error"]
 
 
 def test_validation_calibrates_on_the_server_it_measures(tmp_path, slow_fit):
