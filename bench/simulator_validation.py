@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                      "max_rel_error_with_served_speed": max(row["rel_error"] for row in with_served_speed.values()),
                      "runs": [{"metrics": r["metrics"], "step_cost_ratio": r["step_cost_ratio"],
                                "outside_engine_ms": r["outside_engine_ms"],
-                               "max_rel_error": max(row["rel_error"] for row in r["metrics"].values())}
+                               "max_rel_error": max(row["rel_error"] for row in r["metrics"].values()),
+                               "max_rel_error_with_served_speed": max(
+                                   row["rel_error"] for row in r["metrics_with_served_speed"].values())}
                               for r in reports]})
     write_json({"model": model, "profile": str(profile), "target_rel_error": TARGET, "runs": runs,
                 "calibrated_per_trace": args.profile is None or load_fit(args.profile).calibration is None,

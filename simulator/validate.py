@@ -215,7 +215,7 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
         steps = read_step_log(step_log)
     setup = prepare(model, config_path, overrides, profile, layout_overrides={"num_blocks": num_blocks})
 
-    def simulate(setup_, speed=None) -> dict[str, Any]:
+    def simulate(setup_: Any, speed: Any = None) -> dict[str, Any]:
         result = run_simulation(setup_, requests, seed=seed, progress=progress, source=str(trace), speed=speed)
         return build_report(result.timelines, model=model, request_rate=math.inf, burstiness=1.0,
                             dataset=str(trace), seed=seed, goodput=None, percentiles=PERCENTILES)
@@ -225,13 +225,13 @@ def validate(model: str, trace: str | Path, profile: str | Path | None, config_p
     served = fit_logged_steps(steps)
     delays = request_delays(measured, requests, steps)
     admission_ms, delivery = median_admission_ms(delays), fit_delivery(delays)  # None: no prompt matched
-    own = attrs.evolve(setup.fit, serving_worker=served, serving_admission_ms=(
+    own_delays = attrs.evolve(setup.fit, serving_admission_ms=(
         setup.fit.serving_admission_ms if admission_ms is None else admission_ms),
         serving_delivery=setup.fit.serving_delivery if delivery is None else delivery)
+    own = attrs.evolve(own_delays, serving_worker=served)
     with_served_steps = simulate(attrs.evolve(setup, fit=own))
     speed = served_speed(setup.fit, steps, measured["start_monotonic_s"])
-    with_served_speed = simulate(attrs.evolve(setup, fit=attrs.evolve(own, serving_worker=setup.fit.serving_worker)),
-                                 speed)
+    with_served_speed = simulate(attrs.evolve(setup, fit=own_delays), speed)
     report = {"metrics": metrics, "trace": str(trace), "profile": str(profile), "model": model,
               "serving_worker_ms": (setup.fit.serving_worker.to_json() if setup.fit.serving_worker is not None
                                     else None),
