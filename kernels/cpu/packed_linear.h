@@ -162,7 +162,8 @@ struct ShareFetch {
     const T *at;
     int64_t step;
     void at_k(int64_t dk) const { prefetch_l1(at + (dk * step >> 16) * kPanel); }
-    void panel(const T *) const {}
+    template <typename W>
+    void panel(const W *) const {}
 };
 
 // Columns [0, cols) of one output row of a panel from its accumulators (16 / V::lanes vectors) plus the bias.
@@ -178,16 +179,16 @@ inline void store_panel_row(T *o, const V *acc, const T *bias, int cols) {
     for (int j = 0; j < cols; j++) store1(o + j, bias ? v[j] + load1(bias + j) : v[j]);
 }
 
-// MR input rows x NP panels (`panel_stride` apart) over k in [k0, k1), on lanes V (a panel row is 16 / V::lanes
-// vectors): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the output
+// MR input rows x NP panels (`panel_stride` apart; weights of type W, float32 or T) over k in [k0, k1), on lanes V (a
+// panel row is 16 / V::lanes vectors): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the output
 // (`rows` <= MR rows `ldo` apart, the last panel's first `last_cols` columns, plus the bias). kWeightsFirst loads
 // the k's weights for all panels, then broadcasts one row at a time (32 registers: up to 16 rows); else it
 // broadcasts every row first, then loads one weight vector at a time (16 registers: 3 rows x 2 panels, 12
 // accumulators). The loops are unrolled whole: with a variable index GCC keeps the accumulators in memory. The
 // input and prefetch policies come by value, so their strides stay in registers. Never inlined: each shape is a function of its own, which GCC compiles as tightly as it does alone (inlined into its
 // dispatch, the packed linear ran 3-7% slower: tools/decode_ab.py).
-template <typename V, typename T, int MR, int NP, bool kWeightsFirst, typename Rows, typename Fetch>
-[[gnu::noinline]] void panel_tile(const Rows in, const T *w, int64_t panel_stride, int64_t k0, int64_t k1, int64_t K,
+template <typename V, typename T, int MR, int NP, bool kWeightsFirst, typename Rows, typename Fetch, typename W>
+[[gnu::noinline]] void panel_tile(const Rows in, const W *w, int64_t panel_stride, int64_t k0, int64_t k1, int64_t K,
                                    float *part, const T *bias, T *out, int64_t ldo, int rows, int last_cols,
                                    const Fetch fetch) {
     constexpr int H = kPanel / V::lanes, J = NP * H;
@@ -203,7 +204,7 @@ template <typename V, typename T, int MR, int NP, bool kWeightsFirst, typename R
             V b[J];
 #pragma GCC unroll 4
             for (int p = 0; p < NP; p++) {
-                const T *wk = w + p * panel_stride + k * kPanel;
+                const W *wk = w + p * panel_stride + k * kPanel;
 #pragma GCC unroll 2
                 for (int h = 0; h < H; h++) b[p * H + h] = V::load(wk + h * V::lanes);
                 fetch.panel(wk);
@@ -220,7 +221,7 @@ template <typename V, typename T, int MR, int NP, bool kWeightsFirst, typename R
             for (int m = 0; m < MR; m++) x[m] = V::splat(in.at(m, k));
 #pragma GCC unroll 4
             for (int p = 0; p < NP; p++) {
-                const T *wk = w + p * panel_stride + k * kPanel;
+                const W *wk = w + p * panel_stride + k * kPanel;
                 fetch.panel(wk);
 #pragma GCC unroll 2
                 for (int h = 0; h < H; h++) {

@@ -12,6 +12,7 @@
 // and the rest run from L1 with memory idle.
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "packed_linear.h"
 
@@ -137,10 +138,10 @@ void row_chunks(const float *a, int64_t M, int64_t K, RowChunk *chunk) {
         }
 }
 
-// A chunk of `rows` x `np` panels over k in [k0, k1) (see panel_tile); with `fetch`, prefetching its share of the
-// next block from `pf`, `share` lines per k (16.16 fixed point).
-template <typename T, typename Rows>
-void chunk_tile(int rows, int np, const Rows &in, const T *w, int64_t panel_stride, int64_t k0, int64_t k1,
+// A chunk of `rows` x `np` panels over k in [k0, k1) (see panel_tile; weights of type W: T, or float32 widened from
+// it); with `fetch`, prefetching its share of the next block from `pf`, `share` lines per k (16.16 fixed point).
+template <typename W, typename T, typename Rows>
+void chunk_tile(int rows, int np, const Rows &in, const W *w, int64_t panel_stride, int64_t k0, int64_t k1,
                 int64_t K, float *part, const T *bias, T *out, int64_t ldo, int cols, bool fetch, const T *pf,
                 int64_t share) {
     with_count<kChunkRows>(rows, [&]<int MR>() {
@@ -155,6 +156,24 @@ void chunk_tile(int rows, int np, const Rows &in, const T *w, int64_t panel_stri
             }
         });
     });
+}
+
+// A block of a bfloat16 panel group in float32 for its row chunks: `np` panels (`panel_stride` apart) over k in
+// [k0, k1) into `wide`, panel p's k at wide[(p * kblock + k - k0) * kPanel]. Widened once, not once per chunk: the
+// widening's shuffles take the ports the FMAs need; the block then stays in L1 (at most 16 KiB, kWideBlock). It
+// pays from 4 chunks (kWidenChunks), where the widenings saved outweigh the separate pass, which streams the block
+// from memory with no FMAs beside it: the fused decode step in bfloat16 at batch 4 (2 chunks) took 1.16x the time
+// of widening in each chunk, 8 (3 chunks) 1.01x, 16 (6) 0.94x, 32 (11) 0.86x (tools/decode_ab.py --dtype bfloat16,
+// the AVX2 build on an AVX-512 Xeon, KSANA_CPU_KERNELS=avx2).
+constexpr int64_t kWideBlock = 2 * 128 * kPanel;  // the most np * kblock * kPanel of a pass with kWidenChunks chunks
+constexpr int64_t kWidenChunks = 4;
+inline void widen_block(const bf16 *w, int64_t panel_stride, int np, int64_t k0, int64_t k1, int64_t kblock,
+                        float *wide) {
+    for (int p = 0; p < np; p++)
+        for (int64_t k = k0; k < k1; k++)
+            for (int h = 0; h < kPanel / F32x8::lanes; h++)
+                F32x8::load(w + p * panel_stride + k * kPanel + h * F32x8::lanes)
+                    .store(wide + (p * kblock + k - k0) * kPanel + h * F32x8::lanes);
 }
 
 // The matmul over packed input `a` for the calling thread, taking panel groups from `next_group` (see
@@ -182,6 +201,10 @@ void pass(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t 
     const int64_t last_rows = M % step ? M % step : step;
     const int64_t n_whole = chunks_of(step, mr), n_last = chunks_of(last_rows, mr);
     int64_t whole_bounds[kChunkRows + 2], last_bounds[kChunkRows + 2];
+    // bfloat16 weights with kWidenChunks row chunks or more: each block widened once, the chunks read it in float32
+    constexpr bool bf16_weights = !std::is_same_v<T, float>;
+    const bool widens = bf16_weights && chunks >= kWidenChunks && np * kblock * kPanel <= kWideBlock;
+    alignas(64) float wide[bf16_weights ? kWideBlock : 1];
     for (int64_t c = 0; c <= n_whole; c++) whole_bounds[c] = step * c / n_whole;
     for (int64_t c = 0; c <= n_last; c++) last_bounds[c] = last_rows * c / n_last;
     RowChunk *chunk = across ? static_cast<RowChunk *>(std::malloc(sizeof(RowChunk) * chunks)) : nullptr;
@@ -200,27 +223,41 @@ void pass(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t 
                 const NextBlock next = next_block(g, g1, next_group, groups, np, panels, panel_len, k1, K, kblock,
                                                   chunks, pair_half);
                 shares.update(next, k1 - k0);
-                float *pc = part;
-                for (int64_t ci = 0; across && ci < chunks; ci++, pc += part_len) {
-                    const RowChunk &c = chunk[ci];
-                    const bool pf = ci < shares.n;
-                    chunk_tile(c.rows, gp, RowPointers{c.a, step}, wg, panel_len, k0, k1, K, pc, bg,
-                               out + c.row * N + p0 * kPanel, N, cols, pf, w + (pf ? next.at + shares.at[ci] : 0),
-                               pf ? shares.step[ci] : 0);
-                }
-                int64_t ci = 0;  // the chunk's index in this block
-                for (int64_t t0 = 0; !across && t0 < M; t0 += step) {
-                    const bool whole = M - t0 >= step;
-                    const int64_t n = whole ? n_whole : n_last;
-                    const int64_t *bounds = whole ? whole_bounds : last_bounds;
-                    for (int64_t c = 0; c < n; c++, ci++, pc += part_len) {
-                        const int64_t r0 = bounds[c], r1 = bounds[c + 1];
+                // every row chunk over the block, its weights at wb (panels `stride` apart, indexed by k from 0)
+                const auto block_chunks = [&](const auto *wb, int64_t stride) {
+                    float *pc = part;
+                    for (int64_t ci = 0; across && ci < chunks; ci++, pc += part_len) {
+                        const RowChunk &c = chunk[ci];
                         const bool pf = ci < shares.n;
-                        chunk_tile(static_cast<int>(r1 - r0), gp, StridedRows{a + t0 * K + r0, step}, wg, panel_stride,
-                                   k0, k1, K, pc, bg, og + (t0 + r0) * ld, ld, cols, pf,
+                        chunk_tile(c.rows, gp, RowPointers{c.a, step}, wb, stride, k0, k1, K, pc, bg,
+                                   out + c.row * N + p0 * kPanel, N, cols, pf,
                                    w + (pf ? next.at + shares.at[ci] : 0), pf ? shares.step[ci] : 0);
                     }
+                    int64_t ci = 0;  // the chunk's index in this block
+                    for (int64_t t0 = 0; !across && t0 < M; t0 += step) {
+                        const bool whole = M - t0 >= step;
+                        const int64_t n = whole ? n_whole : n_last;
+                        const int64_t *bounds = whole ? whole_bounds : last_bounds;
+                        for (int64_t c = 0; c < n; c++, ci++, pc += part_len) {
+                            const int64_t r0 = bounds[c], r1 = bounds[c + 1];
+                            const bool pf = ci < shares.n;
+                            chunk_tile(static_cast<int>(r1 - r0), gp, StridedRows{a + t0 * K + r0, step}, wb,
+                                       stride, k0, k1, K, pc, bg, og + (t0 + r0) * ld, ld, cols, pf,
+                                       w + (pf ? next.at + shares.at[ci] : 0), pf ? shares.step[ci] : 0);
+                        }
+                    }
+                };
+                if constexpr (bf16_weights) {
+                    if (widens) {
+                        widen_block(wg, panel_stride, gp, k0, k1, kblock, wide);
+                        // the tiles index weights by absolute k: the block's k0 sits at wide[0] (they read k >= k0)
+                        block_chunks(reinterpret_cast<const float *>(reinterpret_cast<uintptr_t>(wide) -
+                                                                     k0 * kPanel * sizeof(float)),
+                                     kblock * kPanel);
+                        continue;
+                    }
                 }
+                block_chunks(wg, panel_stride);
             }
             if (pair_half) swiglu_into_packed(block, M, g, pair_half * kPanel, act_out);
         }

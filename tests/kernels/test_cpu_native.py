@@ -78,8 +78,8 @@ LOWER_LEVELS = LEVELS[: max(1, LEVELS.index(cpu_level()))]
 @pytest.mark.parametrize("level", LOWER_LEVELS)
 def test_lower_instruction_set_builds_match_the_reference(library, level: str) -> None:
     """Each lower level's build: decode attention (both task layouts and split tasks, with and without a window),
-    from AVX2 on the packed linear kernel with float32 widening of bfloat16, and the C++ norm and rotary (their
-    portable lanes below AVX2)."""
+    from AVX2 on the packed linear kernel with float32 widening of bfloat16 (every row the bits it gets alone), and
+    the C++ norm and rotary (their portable lanes below AVX2)."""
     code = f"""
 import sys
 sys.path.append({str(Path(__file__).resolve().parents[2])!r})  # the tests package, after site-packages
@@ -108,6 +108,10 @@ for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-8)):
     packed = native.pack_weight(w)
     assert isinstance(packed, PackedWeight) == ({level!r} != "portable")
     torch.testing.assert_close(native.linear(x, packed, b).float(), expected, rtol=rtol, atol=1e-5)
+    if {level!r} != "portable":  # 13 and 20 rows (bfloat16 blocks widened once for their chunks): each row's bits alone
+        for rows in (x, torch.cat([x, x[:7]])):
+            together = native.linear(rows, packed, b)
+            assert all(torch.equal(together[i], native.linear(rows[i:i + 1], packed, b)[0]) for i in range(len(rows)))
     if {level!r} == "portable":  # no packed weights: the model keeps the logits path and torch's matmuls
         assert native.lm_head_greedy(x, packed, 61, min_rows=1) is None
         assert NativeCPUOps(load_library(), bf16_blas_min_rows=4).bf16_blas_min_rows is None
