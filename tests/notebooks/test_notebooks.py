@@ -60,13 +60,21 @@ def test_validate_simulator_runs_on_a_validation(tmp_path, monkeypatch):
                 "output_throughput": 100 / scale}
         return {**keys, "requests": requests}
 
-    measured, simulated = summary(1.0), summary(1.05)
+    measured, simulated, at_speed = summary(1.0), summary(1.05), summary(1.01)
     run = {"metrics": compare(measured, simulated), "trace": "t.jsonl", "settings": {}, "measured": measured,
            "simulated": simulated}
-    path = tmp_path / "validation_small.json"
-    path.write_bytes(orjson.dumps(run))
-    notebook = _run("validate_simulator", {"KSANA_VALIDATIONS": str(path)}, monkeypatch)
-    assert _images(notebook) == 1
+    older, timed = tmp_path / "validation_older.json", tmp_path / "validation_timed.json"
+    older.write_bytes(orjson.dumps(run))
+    speed = {"prefill": {"times_s": [0.0, 0.5, 1.0], "factors": [1.0, 1.4, 1.2]}, "decode": None}
+    timed.write_bytes(orjson.dumps({**run, "served_speed": speed,
+                                    "metrics_with_served_speed": compare(measured, at_speed)}))
+    notebook = _run("validate_simulator", {"KSANA_VALIDATIONS": str(older)}, monkeypatch)
+    assert _images(notebook) == 1  # the distributions; a validation without its run's speed has no speed plot
+    notebook = _run("validate_simulator", {"KSANA_VALIDATIONS": f"{older}:{timed}"}, monkeypatch)
+    assert _images(notebook) == 2
+    text = "".join(out.get("text", "") for cell in notebook.cells for out in cell.get("outputs", []))
+    assert "validation_timed: simulated at the run's own speed" in text
+    assert "validation_older: simulated at" not in text
 
 
 def test_capacity_planning_runs_on_the_demo_model(tmp_path, monkeypatch):
