@@ -180,13 +180,14 @@ inline void store_panel_row(T *o, const V *acc, const T *bias, int cols) {
 }
 
 // MR input rows x NP panels (`panel_stride` apart; weights of type W, float32 or T) over k in [k0, k1), on lanes V (a
-// panel row is 16 / V::lanes vectors): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at k1 = K, in the output
-// (`rows` <= MR rows `ldo` apart, the last panel's first `last_cols` columns, plus the bias). kWeightsFirst loads
-// the k's weights for all panels, then broadcasts one row at a time (32 registers: up to 16 rows); else it
-// broadcasts every row first, then loads one weight vector at a time (16 registers: 3 rows x 2 panels, 12
-// accumulators). The loops are unrolled whole: with a variable index GCC keeps the accumulators in memory. The
-// input and prefetch policies come by value, so their strides stay in registers. Never inlined: each shape is a function of its own, which GCC compiles as tightly as it does alone (inlined into its
-// dispatch, the packed linear ran 3-7% slower: tools/decode_ab.py).
+// panel row is 16 / V::lanes vectors): the accumulators start at zero (k0 = 0) or from `part`, and end in `part` or, at
+// k1 = K, in the output (`rows` <= MR rows `ldo` apart, the last panel's first `last_cols` columns, plus the bias).
+// kWeightsFirst loads the k's weights for all panels, then broadcasts one row at a time (32 registers: up to 16 rows);
+// else it broadcasts every row first, then loads one weight vector at a time (16 registers: 3 rows x 2 panels, 12
+// accumulators). The loops are unrolled whole: with a variable index GCC keeps the accumulators in memory. The input
+// and prefetch policies come by value, so their strides stay in registers. Never inlined: each shape is a function of
+// its own, which GCC compiles as tightly as it does alone (inlined into its dispatch, the packed linear ran 3-7%
+// slower: tools/decode_ab.py).
 template <typename V, typename T, int MR, int NP, bool kWeightsFirst, typename Rows, typename Fetch, typename W>
 [[gnu::noinline]] void panel_tile(const Rows in, const W *w, int64_t panel_stride, int64_t k0, int64_t k1, int64_t K,
                                    float *part, const T *bias, T *out, int64_t ldo, int rows, int last_cols,

@@ -6,10 +6,11 @@
 // A decode step's rows (and prefill's, across row tiles: row_chunks) go in chunks of up to 3 rows over each panel
 // group, a block of k at a time: every row chunk passes over the block (in L1) before the next block, the first
 // streaming it from memory, so the stream runs beside the arithmetic, not before it; the chunks' partial sums wait
-// in `part`. A tile does not prefetch its own panels: on AMD CPUs with AVX2 only the hardware prefetchers stream
-// them alone, and the wide tiles' prefetches cost time there, most at few rows. The chunks prefetch the block the
-// thread streams next instead (next_block), evenly over the block's work: else the first chunk stalls on memory
-// and the rest run from L1 with memory idle.
+// in `part`. A bfloat16 block with four chunks or more is widened to float32 once, before them (widen_block). A
+// tile does not prefetch its own panels: on AMD CPUs with AVX2 only the hardware prefetchers stream them alone,
+// and the wide tiles' prefetches cost time there, most at few rows. The chunks prefetch the block the thread
+// streams next instead (next_block), evenly over the block's work: else the first chunk stalls on memory and the
+// rest run from L1 with memory idle.
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
@@ -223,7 +224,7 @@ void pass(const float *a, const T *w, const T *bias, T *out, int64_t M, int64_t 
                 const NextBlock next = next_block(g, g1, next_group, groups, np, panels, panel_len, k1, K, kblock,
                                                   chunks, pair_half);
                 shares.update(next, k1 - k0);
-                // every row chunk over the block, its weights at wb (panels `stride` apart, indexed by k from 0)
+                // every row chunk over the block, its weights from wb (panels `stride` apart, k at wb + k * kPanel)
                 const auto block_chunks = [&](const auto *wb, int64_t stride) {
                     float *pc = part;
                     for (int64_t ci = 0; across && ci < chunks; ci++, pc += part_len) {
