@@ -49,6 +49,11 @@ class StepShape:
     def num_tokens(self) -> int:
         return sum(q for q, _ in self.rows)
 
+    @property
+    def num_prefill_rows(self) -> int:
+        """Rows that compute more than one token: prompts or their chunks."""
+        return sum(1 for q, _ in self.rows if q > 1)
+
     def features(self) -> tuple[float, ...]:
         prefill_tokens = prefill_attention = decode_rows = decode_context = 0
         for q, c in self.rows:

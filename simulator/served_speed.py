@@ -52,7 +52,7 @@ class ServedSpeed:
     decode: SpeedCurve | None
 
     def factor(self, shape: StepShape, time_s: float) -> float:
-        curve = self.prefill if any(q > 1 for q, _ in shape.rows) else self.decode
+        curve = self.prefill if shape.num_prefill_rows else self.decode
         return 1.0 if curve is None else curve.at(time_s)
 
     def to_json(self) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def served_speed(fit: Any, steps: Sequence[Any], start_s: float) -> ServedSpeed:
     """The speed of ``steps`` (a step log's, each with ``rows``, ``started_at`` and ``duration_s``) against ``fit``'s
     prices, from the trace's start ``start_s`` on the step log's clock."""
     def has_prefill(step: Any) -> bool:
-        return any(q > 1 for q, _ in step.rows)
+        return StepShape(step.rows).num_prefill_rows > 0
 
     return ServedSpeed(speed_curve(fit, steps, start_s, has_prefill),
                        speed_curve(fit, steps, start_s, lambda step: not has_prefill(step)))

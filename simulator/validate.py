@@ -132,7 +132,7 @@ def step_cost_ratio(fit: Any, steps: list[Any]) -> dict[str, float | int]:
         shape = StepShape(step.rows)
         ratio = step.duration_s / max(fit.worker_s(shape), 1e-9)
         ratios["all"].append(ratio)
-        ratios["prefill" if any(q > 1 for q, _ in step.rows) else "decode"].append(ratio)
+        ratios["prefill" if shape.num_prefill_rows else "decode"].append(ratio)
     return {**{key: statistics.median(values) if values else math.nan for key, values in ratios.items()},
             "num_steps": len(steps)}
 

@@ -92,7 +92,7 @@ class SimulatedWorker(Actor):
             await trio.sleep_until(start + duration)
             self.busy_s += duration
             self.steps.append(StepRecord(plan.step_id, start, start + duration, len(plan.rows), shape.num_tokens,
-                                         sum(1 for q, _ in shape.rows if q > 1)))
+                                         shape.num_prefill_rows))
             sampled = {row.request_id: self._sample(row) for row in plan.rows if row.do_sample}
             timings = StepTimings(forward_s=duration, started_at=start, finished_at=start + duration)
             await self.send(StepResult(step_id=plan.step_id, sampled=sampled, timings=timings))
