@@ -14,7 +14,9 @@ throughput). Writes ``bench/results/simulator_validation_<machine kind>.json``.
 Each trace is validated ``--repeats`` times, each time with its own server and its own calibration probe, and a
 metric's measured and simulated figures are each the median over those runs: one run's measurement moves by up to
 16% from the next on this machine (``--noise``), more than the target allows, and the median of three holds the
-comparison to what the runs share instead of to one run's luck. Every run's own table is kept in the JSON.
+comparison to what the runs share instead of to one run's luck. Every run's own table is kept in the JSON, and
+``measured_spread`` says per metric how far the run furthest from the median measured it: how much the machine
+moved the measurement by itself while the trace was validated.
 
 ``--noise`` measures each trace twice against fresh servers and sets the two side by side, the same table: how
 far the measurement itself moves from run to run on this machine, the floor under the simulator's errors. Writes
@@ -92,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         metrics = median_metrics([report["metrics"] for report in reports])
         with_served_steps = median_metrics([report["metrics_with_served_steps"] for report in reports])
         with_served_speed = median_metrics([report["metrics_with_served_speed"] for report in reports])
+        spread = measured_spread([report["metrics"] for report in reports])
         if args.repeats > 1:
             print(f"-- medians of {args.repeats} runs", flush=True)
             print(format_table(metrics), flush=True)
+            print("furthest a run measured from the runs' median: " + ", ".join(
+                f"{name} {value:.1%}" for name, value in spread.items()), flush=True)
         worst = max(row["rel_error"] for row in metrics.values())
         runs.append({"trace": name, "num_requests": num, "rate": rate, "burstiness": burstiness,
                      "input_len": input_len, "output_len": output_len, "settings": settings,
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                      "serving_delivery_ms": reports[0]["serving_delivery_ms"],
                      "total_preemptions_simulated": [r["simulated"]["total_preemptions"] for r in reports],
                      "metrics": metrics, "max_rel_error": worst, "met": worst <= TARGET,
+                     "measured_spread": spread,
                      "step_cost_ratio": {"all": statistics.median(r["step_cost_ratio"]["all"] for r in reports),
                                          "runs": [r["step_cost_ratio"] for r in reports]},
                      "outside_engine_ms": {"fit": reports[0]["outside_engine_ms"]["fit"],
@@ -132,6 +138,14 @@ def median_metrics(tables: list[dict[str, dict[str, float]]]) -> dict[str, dict[
     simulated = {name: statistics.median(table[name]["simulated"] for table in tables) for name in tables[0]}
     return {name: {"measured": m, "simulated": simulated[name],
                    "rel_error": abs(simulated[name] - m) / m if m else math.inf} for name, m in measured.items()}
+
+
+def measured_spread(tables: list[dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Per metric, how far the run furthest from the runs' median measured it, relative to that median: the
+    machine's own run-to-run movement, beside which an error between medians is read (0 for one run)."""
+    medians = median_metrics(tables)
+    return {name: max(abs(table[name]["measured"] - row["measured"]) / row["measured"] if row["measured"] else 0.0
+                      for table in tables) for name, row in medians.items()}
 
 
 def median_outside(runs: list[dict[str, Any] | None]) -> dict[str, Any] | None:

@@ -22,6 +22,13 @@ def test_repeated_runs_compare_the_medians_of_each_side() -> None:
     assert bench.median_metrics([_table(50.0, 40.0)]) == _table(50.0, 40.0)
 
 
+def test_the_measured_spread_is_the_furthest_run_from_the_median() -> None:
+    bench = load_bench("simulator_validation")
+    runs = [_table(100.0, 125.0), _table(130.0, 120.0), _table(80.0, 100.0)]  # median 100: 30% up, 20% down
+    assert bench.measured_spread(runs)["ttft_p50_ms"] == pytest.approx(0.3)
+    assert bench.measured_spread([_table(50.0, 40.0)]) == {"ttft_p50_ms": 0.0}
+
+
 def test_the_runs_time_outside_the_engine_is_each_figures_median() -> None:
     bench = load_bench("simulator_validation")
     runs = [{"admission": a, "delivery": {"const": c, "per_row": r}}

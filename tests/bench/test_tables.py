@@ -80,3 +80,11 @@ def test_the_longest_benchmark_name_claims_a_file(tables):
     assert tables.benchmark_of(Path("serving_vs_offline_zen4.json")) == "serving_vs_offline"
     assert tables.benchmark_of(Path("tp_avx512.json")) == "tp"
     assert tables.benchmark_of(Path("decode_ab_zen4.json")) is None
+
+
+def test_a_repeated_validation_names_its_furthest_measured_run(tables):
+    spread = {"ttft_p50_ms": 0.05, "ttft_p90_ms": 0.34, "output_throughput_tok_s": 0.02}
+    assert tables.spread_text({"repeats": 5, "measured_spread": spread}) == (
+        "; a run's own measurement lay up to 34.0% from the runs' median (TTFT p90)")
+    assert tables.spread_text({"repeats": 1, "measured_spread": spread}) == ""
+    assert tables.spread_text({"repeats": 3}) == ""
